@@ -1,0 +1,183 @@
+"""The plugin's methods, their options, and their validation.
+
+Users write one flat JSON object, exactly where vLLM expects it::
+
+    --speculative-config '{"method": "lookup_tree", "num_speculative_tokens": 4, "max_nodes": 16}'
+
+For tree methods ``num_speculative_tokens`` is the draft *depth*. Every check
+here runs in the front end, before the engine starts, so a typo is a one-line
+error message and not a traceback from inside vLLM; the same checks run again
+for per-request overrides (``SamplingParams.extra_args``), failing only that
+request.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SpecbeamConfigError(ValueError):
+    """A speculative-config or per-request option the plugin cannot use."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One user-facing option: its default, type and valid range."""
+
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[Any, ...] | None = None
+
+    def check(self, name: str, value: Any) -> Any:
+        kind = type(self.default)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not kind:
+            raise SpecbeamConfigError(
+                f"option {name!r} must be a {kind.__name__}, got {value!r} ({type(value).__name__})"
+            )
+        if self.choices is not None and value not in self.choices:
+            raise SpecbeamConfigError(f"option {name!r} must be one of {list(self.choices)}, got {value!r}")
+        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+            raise SpecbeamConfigError(f"option {name!r} must be in [{self.low}, {self.high}], got {value!r}")
+        return value
+
+
+#: Options every tree method has.
+TREE_OPTIONS: dict[str, Option] = {
+    "num_speculative_tokens": Option(4, "draft depth: tokens along one branch", 1, 32),
+    "max_nodes": Option(16, "node budget of one draft tree (all branches together)", 1, 128),
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method name users can pass, and where its drafter lives."""
+
+    drafter: str | None  # "module:Class", None until the method lands
+    needs_draft_model: bool = False
+    issue: str = ""
+
+    def drafter_class(self) -> type:
+        module, _, name = self.drafter.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def options(self) -> dict[str, Option]:
+        return {**TREE_OPTIONS, **getattr(self.drafter_class(), "OPTIONS", {})}
+
+
+METHODS: dict[str, Method] = {
+    "lookup_tree": Method("vllm_specbeam.drafters.lookup_tree:LookupTreeDrafter"),
+    "dsbd": Method(None, needs_draft_model=True, issue="dynamic-width speculative beam decoding"),
+    "mcsd": Method(None, needs_draft_model=True, issue="multi-candidate speculative decoding"),
+    "mjsd": Method(None, needs_draft_model=True, issue="multi-token joint speculative decoding"),
+    "aded": Method(None, issue="adaptive draft-verification (tri-gram + MCTS)"),
+}
+
+#: Keys of vLLM's own SpeculativeConfig that the plugin forwards or uses as is.
+VLLM_KEYS = ("method", "model")
+
+
+@dataclass(frozen=True)
+class SpecbeamConfig:
+    """A validated plugin configuration; travels to the workers in
+    ``VllmConfig.additional_config["specbeam"]`` as a plain dict."""
+
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+    draft_model: str | None = None
+
+    @property
+    def depth(self) -> int:
+        return self.options["num_speculative_tokens"]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.options["max_nodes"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "options": dict(self.options), "draft_model": self.draft_model}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SpecbeamConfig:
+        return cls(data["method"], dict(data["options"]), data.get("draft_model"))
+
+    def with_overrides(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The options for one request: engine defaults plus its ``extra_args``.
+
+        Only this method's options are read from ``extra_args``; other keys
+        belong to other plugins or to the user. Depth and node budget can only
+        be lowered per request: the engine's KV and metric sizes follow them.
+        """
+        options = dict(self.options)
+        if not overrides:
+            return options
+        specs = METHODS[self.method].options()
+        for name, value in overrides.items():
+            if name in specs:
+                options[name] = specs[name].check(name, value)
+        for name in TREE_OPTIONS:
+            if options[name] > self.options[name]:
+                raise SpecbeamConfigError(
+                    f"per-request {name}={options[name]} exceeds the engine's {name}={self.options[name]}; "
+                    f"start the engine with a larger value or lower it for this request"
+                )
+        return options
+
+
+def is_plugin_method(speculative_config: Mapping[str, Any] | None) -> bool:
+    return bool(speculative_config) and speculative_config.get("method") in METHODS
+
+
+def parse(speculative_config: Mapping[str, Any]) -> SpecbeamConfig:
+    """Validate a user's speculative config for one of the plugin's methods."""
+    user = {k.replace("-", "_"): v for k, v in speculative_config.items()}
+    name = user.pop("method")
+    method = METHODS[name]
+    if method.drafter is None:
+        available = sorted(m for m, spec in METHODS.items() if spec.drafter is not None)
+        raise SpecbeamConfigError(
+            f"speculative method {name!r} ({method.issue}) is not available yet in this version of "
+            f"vllm-specbeam; available plugin methods: {available}"
+        )
+    draft_model = user.pop("model", None)
+    if method.needs_draft_model and not draft_model:
+        raise SpecbeamConfigError(
+            f"speculative method {name!r} needs a draft model: add \"model\": \"<path or hub name>\" "
+            f"to the speculative config"
+        )
+    if draft_model and not method.needs_draft_model:
+        raise SpecbeamConfigError(
+            f"speculative method {name!r} uses no draft model; remove \"model\" from the speculative config"
+        )
+    specs = method.options()
+    unknown = sorted(set(user) - set(specs))
+    if unknown:
+        raise SpecbeamConfigError(
+            f"unknown option(s) {unknown} for speculative method {name!r}; valid options: "
+            f"{sorted([*VLLM_KEYS, *specs]) if method.needs_draft_model else sorted(['method', *specs])}"
+        )
+    options = {key: spec.check(key, user.get(key, spec.default)) for key, spec in specs.items()}
+    if options["max_nodes"] < options["num_speculative_tokens"]:
+        raise SpecbeamConfigError(
+            f"max_nodes={options['max_nodes']} cannot hold one branch of depth "
+            f"num_speculative_tokens={options['num_speculative_tokens']}; raise max_nodes or lower the depth"
+        )
+    return SpecbeamConfig(name, options, draft_model)
+
+
+def vllm_carrier(config: SpecbeamConfig) -> dict[str, Any]:
+    """The speculative config vLLM itself is given for a plugin method.
+
+    vLLM's validator only knows its own methods, so the engine is started with
+    ``ngram`` (which loads no model) and the plugin's runner takes over drafting
+    and verification. ``num_speculative_tokens`` becomes the node budget: the
+    scheduler allocates KV slots and the metrics size their per-position
+    arrays from it, and a tree needs a slot and a count for every node.
+    """
+    return {"method": "ngram", "num_speculative_tokens": config.max_nodes}
