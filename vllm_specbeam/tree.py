@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -91,6 +92,7 @@ class DraftTree:
     def __len__(self) -> int:
         return self.num_nodes
 
+    @cached_property
     def depths(self) -> np.ndarray:
         """Depth of every node (children of the root have depth 1)."""
         depth = np.zeros(self.num_nodes, np.int64)
@@ -100,8 +102,9 @@ class DraftTree:
 
     @property
     def max_depth(self) -> int:
-        return int(self.depths().max(initial=0))
+        return int(self.depths.max(initial=0))
 
+    @cached_property
     def ancestor_mask(self) -> np.ndarray:
         """``mask[r, c]``: row ``c`` is row ``r`` itself or one of its ancestors.
 
