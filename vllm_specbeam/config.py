@@ -70,6 +70,18 @@ class Method:
     def options(self) -> dict[str, Option]:
         return {**TREE_OPTIONS, **getattr(self.drafter_class(), "OPTIONS", {})}
 
+    def check(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Checks that involve several options at once."""
+        if options["max_nodes"] < options["num_speculative_tokens"]:
+            raise SpecbeamConfigError(
+                f"max_nodes={options['max_nodes']} cannot hold one branch of depth "
+                f"num_speculative_tokens={options['num_speculative_tokens']}; raise max_nodes or lower the depth"
+            )
+        check = getattr(self.drafter_class(), "check_options", None)
+        if check is not None:
+            check(options)
+        return options
+
 
 METHODS: dict[str, Method] = {
     "lookup_tree": Method("vllm_specbeam.drafters.lookup_tree:LookupTreeDrafter"),
@@ -117,10 +129,12 @@ class SpecbeamConfig:
         options = dict(self.options)
         if not overrides:
             return options
-        specs = METHODS[self.method].options()
+        method = METHODS[self.method]
+        specs = method.options()
         for name, value in overrides.items():
             if name in specs:
                 options[name] = specs[name].check(name, value)
+        method.check(options)
         for name in TREE_OPTIONS:
             if options[name] > self.options[name]:
                 raise SpecbeamConfigError(
@@ -163,21 +177,21 @@ def parse(speculative_config: Mapping[str, Any]) -> SpecbeamConfig:
             f"{sorted([*VLLM_KEYS, *specs]) if method.needs_draft_model else sorted(['method', *specs])}"
         )
     options = {key: spec.check(key, user.get(key, spec.default)) for key, spec in specs.items()}
-    if options["max_nodes"] < options["num_speculative_tokens"]:
-        raise SpecbeamConfigError(
-            f"max_nodes={options['max_nodes']} cannot hold one branch of depth "
-            f"num_speculative_tokens={options['num_speculative_tokens']}; raise max_nodes or lower the depth"
-        )
-    return SpecbeamConfig(name, options, draft_model)
+    return SpecbeamConfig(name, method.check(options), draft_model)
 
 
 def vllm_carrier(config: SpecbeamConfig) -> dict[str, Any]:
     """The speculative config vLLM itself is given for a plugin method.
 
     vLLM's validator only knows its own methods, so the engine is started with
-    ``ngram`` (which loads no model) and the plugin's runner takes over drafting
-    and verification. ``num_speculative_tokens`` becomes the node budget: the
+    ``custom_class`` naming the plugin's drafter host: it loads no model, keeps
+    vLLM on its V1 runner with synchronous scheduling (which the tree runner
+    extends), and the plugin's runner takes over drafting and verification. ``num_speculative_tokens`` becomes the node budget: the
     scheduler allocates KV slots and the metrics size their per-position
     arrays from it, and a tree needs a slot and a count for every node.
     """
-    return {"method": "ngram", "num_speculative_tokens": config.max_nodes}
+    return {
+        "method": "custom_class",
+        "model": "vllm_specbeam.runner.DrafterHost",
+        "num_speculative_tokens": config.max_nodes,
+    }

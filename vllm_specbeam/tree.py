@@ -15,6 +15,7 @@ Row 0 of every per-row array below is the root; node ``i`` is row ``i + 1``.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -82,6 +83,40 @@ class DraftTree:
                     tokens.append(int(token))
                     parents.append(node)
                 node = children[key]
+        return cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
+
+    @classmethod
+    def from_weighted_paths(
+        cls, paths: Sequence[Sequence[int]], weights: Sequence[float], max_nodes: int
+    ) -> DraftTree:
+        """Merge paths into a trie and keep the ``max_nodes`` heaviest nodes.
+
+        A node weighs the sum of the weights of the paths through it, so it is
+        never heavier than its parent: taking nodes best-first from the
+        frontier yields a connected tree in topological order. Ties go to the
+        node first seen in ``paths``.
+        """
+        weight: dict[tuple[int, ...], float] = {}
+        for path, w in zip(paths, weights):
+            for depth in range(1, len(path) + 1):
+                prefix = tuple(int(t) for t in path[:depth])
+                weight[prefix] = weight.get(prefix, 0.0) + float(w)
+        order = {prefix: i for i, prefix in enumerate(weight)}
+        children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for prefix in weight:
+            children.setdefault(prefix[:-1], []).append(prefix)
+        frontier = [(-weight[c], order[c], c) for c in children.get((), [])]
+        heapq.heapify(frontier)
+        index: dict[tuple[int, ...], int] = {}
+        tokens: list[int] = []
+        parents: list[int] = []
+        while frontier and len(tokens) < max_nodes:
+            _, _, prefix = heapq.heappop(frontier)
+            index[prefix] = len(tokens)
+            tokens.append(prefix[-1])
+            parents.append(index[prefix[:-1]] if len(prefix) > 1 else ROOT)
+            for c in children.get(prefix, []):
+                heapq.heappush(frontier, (-weight[c], order[c], c))
         return cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
 
     # ------------------------------------------------------------ queries

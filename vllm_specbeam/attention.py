@@ -1,0 +1,253 @@
+"""Topology-aware attention for tree rows on vLLM's CPU backend, and the
+accepted-path KV move.
+
+vLLM 0.32's CPU attention (v1/attention/backends/cpu_attn.py) knows causal,
+non-causal and sliding-window masks only. The stock kernel still runs for the
+whole batch (it is what non-tree rows need); afterwards the rows of each draft
+tree are recomputed here with the right mask: every row sees the request's
+committed context and, inside the tree, its ancestors and itself.
+
+The CPU KV cache layout inside a block is private to the ISA kernel (the
+``vec`` ISA stores keys transposed). Rather than hard-coding it, the layout is
+*learned* once per shape by writing numbered keys and values through the
+backend's own ``cpu_attn_reshape_and_cache`` and seeing where each number
+lands, so reading and moving cache entries is correct by construction for
+whatever ISA vLLM picked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vllm_specbeam.tree import DraftTree
+
+
+@dataclass
+class TreeStep:
+    """This step's trees, laid out for the attention layers (built once per step)."""
+
+    #: batch index of every request that verifies a tree
+    req_indices: torch.Tensor  # [R]
+    #: token row of every verification row, padded with row 0
+    query_rows: torch.Tensor  # [R, Rmax]
+    row_valid: torch.Tensor  # [R, Rmax] bool
+    #: which keys each row may see: context, then the tree rows
+    key_mask: torch.Tensor  # [R, Rmax, Kmax] bool
+
+    @classmethod
+    def build(
+        cls, req_indices: Sequence[int], first_rows: Sequence[int], context_lens: Sequence[int], trees: Sequence[DraftTree]
+    ) -> TreeStep:
+        """``first_rows[r]`` is the token row of request r's root, whose
+        position (= number of committed tokens before it) is ``context_lens[r]``."""
+        num_rows = max(t.num_nodes for t in trees) + 1
+        num_keys = max(c + t.num_nodes + 1 for c, t in zip(context_lens, trees))
+        query_rows = np.zeros((len(trees), num_rows), np.int64)
+        row_valid = np.zeros((len(trees), num_rows), bool)
+        key_mask = np.zeros((len(trees), num_rows, num_keys), bool)
+        for r, (first, ctx, tree) in enumerate(zip(first_rows, context_lens, trees)):
+            n = tree.num_nodes + 1
+            query_rows[r, :n] = first + np.arange(n)
+            row_valid[r, :n] = True
+            key_mask[r, :n, :ctx] = True
+            key_mask[r, :n, ctx : ctx + n] = tree.ancestor_mask
+        return cls(
+            torch.as_tensor(list(req_indices), dtype=torch.int64),
+            torch.from_numpy(query_rows),
+            torch.from_numpy(row_valid),
+            torch.from_numpy(key_mask),
+        )
+
+
+_ACTIVE: TreeStep | None = None
+
+
+@contextlib.contextmanager
+def tree_step(step: TreeStep | None) -> Iterator[None]:
+    """Make ``step`` visible to the attention layers during one forward pass."""
+    global _ACTIVE
+    _ACTIVE = step
+    try:
+        yield
+    finally:
+        _ACTIVE = None
+
+
+# ---------------------------------------------------------------- cache layout
+def _split_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value views exactly as vLLM 0.32.0 cpu_attn.py makes them."""
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    return kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
+
+
+@functools.lru_cache(maxsize=None)
+def block_layout(
+    isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each key and value element lives inside one cache block.
+
+    Returns ``(key_index, value_index)``, each ``[block_size, heads, head_size]``
+    holding positions in the block's flat storage. Learned by writing numbered
+    elements with vLLM's own cache-write op; the numbers are written in base-64
+    digits (plus one, so empty storage reads 0) so every dtype holds them
+    exactly; keys are written positive and values negative to tell them apart.
+    """
+    from vllm import _custom_ops as ops
+
+    shape = (block_size, num_kv_heads, head_size)
+    ids = torch.arange(int(np.prod(shape)))
+    base, digits = 64, 1
+    while base**digits < ids.numel():
+        digits += 1
+    decoded = torch.zeros(num_kv_heads * block_size * 2 * head_size, dtype=torch.int64)
+    sign = None
+    for digit in range(digits):
+        value = ((ids // base**digit) % base + 1).to(dtype).view(shape)
+        cache = torch.zeros(1, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+        key_cache, value_cache = _split_kv(cache)
+        ops.cpu_attn_reshape_and_cache(
+            value, -value, key_cache, value_cache, torch.arange(block_size), isa,
+            k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+        )
+        flat = cache.view(-1).to(torch.float32)
+        sign = torch.sign(flat).to(torch.int64) if sign is None else sign
+        decoded += (flat.abs().to(torch.int64) - 1).clamp(min=0) * base**digit
+    key_index = torch.empty(ids.numel(), dtype=torch.int64)
+    value_index = torch.empty(ids.numel(), dtype=torch.int64)
+    positions = torch.arange(decoded.numel())
+    key_index[decoded[sign > 0]] = positions[sign > 0]
+    value_index[decoded[sign < 0]] = positions[sign < 0]
+    if (sign > 0).sum() != ids.numel() or (sign < 0).sum() != ids.numel():
+        raise RuntimeError(f"could not learn the CPU KV cache layout for ISA {isa!r}")
+    return key_index.view(shape), value_index.view(shape)
+
+
+def _layout_for(layer: torch.nn.Module, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _, num_kv_heads, block_size, two_head = kv_cache.shape
+    return block_layout(layer.isa, kv_cache.dtype, num_kv_heads, block_size, two_head // 2)
+
+
+def read_kv(
+    layer: torch.nn.Module, kv_cache: torch.Tensor, block_table: torch.Tensor, num_keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions ``[0, num_keys)`` for each block-table row,
+    as ``[R, heads, num_keys, head_size]``."""
+    key_index, value_index = _layout_for(layer, kv_cache)
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-num_keys // block_size)
+    blocks = kv_cache[block_table[:, :num_blocks]].flatten(2)  # [R, nb, block numel]
+
+    def gather(index: torch.Tensor) -> torch.Tensor:
+        elems = blocks[..., index.permute(1, 0, 2)]  # [R, nb, H, B, D]
+        r, nb, h, b, d = elems.shape
+        return elems.permute(0, 2, 1, 3, 4).reshape(r, h, nb * b, d)[:, :, :num_keys]
+
+    return gather(key_index), gather(value_index)
+
+
+# ---------------------------------------------------------------- attention
+def tree_attention(
+    impl: torch.nn.Module,
+    layer: torch.nn.Module,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    output: torch.Tensor,
+    step: TreeStep,
+) -> None:
+    """Overwrite the tree rows of ``output`` with topology-aware attention.
+
+    Reads keys from the cache (vLLM has already written this step's rows), so
+    the keys of tree rows carry the RoPE of their depth-based positions.
+    """
+    num_keys = step.key_mask.shape[-1]
+    keys, values = read_kv(layer, kv_cache, block_table[step.req_indices], num_keys)
+    q = query[step.query_rows].transpose(1, 2)  # [R, Hq, Rmax, D]
+    compute = torch.float32
+    out = F.scaled_dot_product_attention(
+        q.to(compute),
+        keys.to(compute),
+        values.to(compute),
+        attn_mask=step.key_mask[:, None],
+        scale=impl.scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    rows = out.transpose(1, 2)[step.row_valid]  # [rows, Hq, D]
+    output.view(output.shape[0], impl.num_heads, impl.head_size)[step.query_rows[step.row_valid]] = rows.to(output.dtype)
+
+
+def install_cpu_tree_attention() -> None:
+    """Wrap vLLM 0.32.0's ``CPUAttentionBackendImpl.forward``.
+
+    The wrapper runs the stock kernel, then fixes the tree rows when a tree
+    step is active; without one it is the stock call plus one global lookup.
+    """
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    stock = CPUAttentionBackendImpl.forward
+    if getattr(stock, "_specbeam", False):
+        return
+
+    @functools.wraps(stock)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = stock(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if _ACTIVE is not None and attn_metadata is not None:
+            tree_attention(self, layer, query, kv_cache, attn_metadata.block_table, output, _ACTIVE)
+        return result
+
+    forward._specbeam = True
+    CPUAttentionBackendImpl.forward = forward
+
+
+def check_cpu_attention_supported(attention_impls: Sequence[torch.nn.Module]) -> None:
+    """Tree rows are recomputed with plain scaled-dot-product attention: refuse
+    models whose attention needs more than that, at start-up."""
+    for impl in attention_impls:
+        problems = []
+        if getattr(impl, "sliding_window", -1) not in (-1, None):
+            problems.append("sliding-window attention")
+        if getattr(impl, "alibi_slopes", None) is not None:
+            problems.append("ALiBi")
+        if getattr(impl, "logits_soft_cap", 0):
+            problems.append("logit soft-capping")
+        if getattr(impl, "sinks", None) is not None:
+            problems.append("attention sinks")
+        if getattr(impl, "is_fp8_kv_cache", False):
+            problems.append("an fp8 KV cache")
+        if problems:
+            raise ValueError(
+                f"vllm-specbeam tree verification on CPU does not support {', '.join(problems)} "
+                f"(model layer uses it); use a model without it or vLLM's built-in speculative methods"
+            )
+
+
+# ---------------------------------------------------------------- KV move
+def move_kv(
+    layers: Sequence[tuple[torch.nn.Module, torch.Tensor]], src_slots: torch.Tensor, dst_slots: torch.Tensor
+) -> None:
+    """Copy the K/V of ``src_slots`` to ``dst_slots`` in every layer's cache.
+
+    All sources are gathered before anything is written, so overlapping moves
+    (an accepted node landing on the slot of a shallower accepted node) are
+    safe in any order.
+    """
+    if src_slots.numel() == 0:
+        return
+    for layer, kv_cache in layers:
+        key_index, value_index = _layout_for(layer, kv_cache)
+        block_size = kv_cache.shape[2]
+        block_numel = kv_cache[0].numel()
+        elems = torch.cat([key_index, value_index], dim=1).flatten(1)  # [B, 2*H*D]
+
+        def flat(slots: torch.Tensor) -> torch.Tensor:
+            return (slots // block_size * block_numel)[:, None] + elems[slots % block_size]
+
+        storage = kv_cache.view(-1)
+        storage[flat(dst_slots)] = storage[flat(src_slots)]

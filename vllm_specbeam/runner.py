@@ -1,0 +1,285 @@
+"""Tree verification inside vLLM's V1 model runner.
+
+One engine step of a plugin method, as the runner sees it (vLLM 0.32.0,
+v1/worker/gpu_model_runner.py, synchronous scheduling):
+
+1. ``_prepare_inputs`` (stock) lays out ``[root, node 0, node 1, ...]`` for each
+   request with drafts and gives every row a linear KV slot. The plugin then
+   sets each node's *position* to ``context + depth`` (slots stay linear).
+2. ``_model_forward`` runs the target once; the attention layers see the
+   step's :class:`~vllm_specbeam.attention.TreeStep` and give tree rows the
+   ancestor-only mask.
+3. ``_sample`` runs the strategy's verifier instead of vLLM's chain rejection
+   sampler, returns the accepted path in the shape vLLM expects, and moves the
+   accepted nodes' K/V into the slots of consecutive positions.
+4. ``propose_draft_token_ids`` asks the drafter for the next trees; their
+   flattened tokens go to the scheduler as ordinary draft tokens (the
+   scheduler allocates a slot per node and rolls back what was not accepted).
+
+With no plugin method configured every override falls through to vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_specbeam import attention
+from vllm_specbeam.config import METHODS, SpecbeamConfig
+from vllm_specbeam.drafters.base import DraftRequest, TreeDrafter
+from vllm_specbeam.tree import DraftTree
+from vllm_specbeam.verifiers.greedy import GreedyTreeVerifier
+
+ADDITIONAL_CONFIG_KEY = "specbeam"
+PLACEHOLDER_TOKEN_ID = -1  # vllm.v1.sample.rejection_sampler.PLACEHOLDER_TOKEN_ID
+SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler: temperatures below are greedy
+
+
+def tree_config(vllm_config: Any) -> SpecbeamConfig | None:
+    data = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    return None if data is None else SpecbeamConfig.from_dict(data)
+
+
+class DrafterHost:
+    """What vLLM's ``custom_class`` carrier instantiates as the runner's drafter.
+
+    vLLM builds it (``create_custom_proposer``) and calls ``load_model``; the
+    tree runner calls :meth:`propose_trees`. vLLM's chain ``propose`` must never
+    be reached: the tree runner overrides the call site.
+    """
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.config = tree_config(vllm_config)
+        drafter_cls = METHODS[self.config.method].drafter_class()
+        self.drafter: TreeDrafter = drafter_cls(self.config.options)
+
+    def load_model(self, target_model: Any) -> None:
+        self.drafter.load_model(target_model)
+
+    def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
+        raise RuntimeError("vllm-specbeam: the chain proposer path was reached; the tree runner is not installed")
+
+
+def request_supports_trees(params: Any) -> bool:
+    """Whether a request can be verified as a tree by the greedy rule.
+
+    Penalties, logits processors and structured output change the target's
+    distribution depending on the tokens before each row, which a tree does
+    not have in one sequence; sampling needs the lossless stochastic rule.
+    Such requests decode without speculation (one token per step), exactly.
+    """
+    return (
+        params.temperature < SAMPLING_EPS
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.logit_bias
+        and not params.allowed_token_ids
+        and not params.bad_words
+        and not params.min_tokens
+        and params.thinking_token_budget is None
+        and params.structured_outputs is None
+    )
+
+
+class TreeRunnerMixin:
+    """Overrides of the V1 model runner; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self.__init_tree__()
+
+    def __init_tree__(self) -> None:
+        self.tree_config = tree_config(self.vllm_config)
+        if self.tree_config is None:
+            return
+        if self.device.type != "cpu":
+            raise NotImplementedError(
+                "vllm-specbeam tree verification currently runs on vLLM's CPU backend only; "
+                "the GPU attention backend is not wired in this version"
+            )
+        attention.install_cpu_tree_attention()
+        self.tree_verifier = GreedyTreeVerifier()
+        self.move_accepted_kv = True  # switched off only by a test that proves the move matters
+        self._proposed: dict[str, DraftTree] = {}
+        self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
+        self._tree_step: attention.TreeStep | None = None
+
+    @property
+    def tree_drafter(self) -> TreeDrafter:
+        return self.drafter.drafter
+
+    # -------------------------------------------------------------- lifecycle
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        if self.tree_config is not None:
+            attention.check_cpu_attention_supported(
+                [layer.impl for layer in self._attention_layers().values()]
+            )
+
+    def _attention_layers(self) -> dict[str, Any]:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        return get_layers_from_vllm_config(self.vllm_config, Attention)
+
+    @functools.cached_property
+    def _kv_layers(self) -> list[tuple[Any, torch.Tensor]]:
+        """(attention layer, its KV cache) once per distinct cache tensor."""
+        seen, layers = set(), []
+        for layer in self._attention_layers().values():
+            kv_cache = layer.kv_cache
+            if isinstance(kv_cache, torch.Tensor) and kv_cache.data_ptr() not in seen:
+                seen.add(kv_cache.data_ptr())
+                layers.append((layer, kv_cache))
+        return layers
+
+    def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        if self.tree_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(
+                "vllm-specbeam tree verification needs a model with one KV cache group "
+                "(plain full attention); this model has hybrid or several attention groups"
+            )
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+
+    def _update_states(self, scheduler_output: Any) -> Any:
+        if self.tree_config is not None:
+            gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+            if gone:
+                for req_id in gone:
+                    self._proposed.pop(req_id, None)
+                self.tree_drafter.remove_requests(gone)
+        return super()._update_states(scheduler_output)
+
+    # -------------------------------------------------------------- inputs
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self.tree_config is None:
+            return result
+        self._verifying = []
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if not drafts:
+                continue
+            # The scheduler may cut the list short; a prefix of a topologically
+            # ordered tree is still a tree.
+            tree = self._proposed[req_id].truncate(len(drafts))
+            index = self.input_batch.req_id_to_index[req_id]
+            root_row = int(self.query_start_loc.np[index])
+            self._verifying.append((req_id, index, root_row, tree))
+        if not self._verifying:
+            self._tree_step = None
+            return result
+        context_lens = [int(self.input_batch.num_computed_tokens_cpu[i]) for _, i, _, _ in self._verifying]
+        node_rows, node_positions = [], []
+        for (_, _, root_row, tree), context in zip(self._verifying, context_lens):
+            node_rows.append(root_row + 1 + np.arange(tree.num_nodes))
+            node_positions.append(context + tree.depths)
+        rows = torch.from_numpy(np.concatenate(node_rows))
+        self.positions[rows.to(self.positions.device)] = torch.from_numpy(np.concatenate(node_positions)).to(
+            self.positions.device, self.positions.dtype
+        )
+        self._tree_step = attention.TreeStep.build(
+            [i for _, i, _, _ in self._verifying],
+            [row for _, _, row, _ in self._verifying],
+            context_lens,
+            [tree for *_, tree in self._verifying],
+        )
+        return result
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.tree_config is None:
+            return super()._model_forward(*args, **kwargs)
+        with attention.tree_step(self._tree_step):
+            return super()._model_forward(*args, **kwargs)
+
+    # -------------------------------------------------------------- verify
+    def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+        if self.tree_config is None or spec_decode_metadata is None or not self._verifying:
+            return super()._sample(logits, spec_decode_metadata)
+        from dataclasses import replace
+
+        from vllm.v1.outputs import SamplerOutput
+
+        sampling_metadata = self.input_batch.sampling_metadata
+        # Requests without a tree this step: one token, sampled by vLLM as usual.
+        plain = self.sampler(
+            logits=logits[spec_decode_metadata.bonus_logits_indices],
+            sampling_metadata=replace(sampling_metadata, max_num_logprobs=None),
+        ).sampled_token_ids.view(-1)
+
+        num_reqs = plain.shape[0]
+        width = spec_decode_metadata.max_spec_len + 1
+        first_logit = spec_decode_metadata.cu_num_sampled_tokens.cpu().numpy() - (
+            np.asarray(spec_decode_metadata.num_draft_tokens) + 1
+        )
+        trees = [tree for *_, tree in self._verifying]
+        logit_starts = first_logit[[index for _, index, _, _ in self._verifying]]
+        verdict = self.tree_verifier.verify(trees, logits, logit_starts)
+
+        output = torch.full((num_reqs, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
+        output[:, 0] = plain.to(torch.int32)
+        logit_rows = np.repeat(first_logit[:, None], width, axis=1)  # rows whose logprobs vLLM reports
+        src_rows, dst_rows = [], []
+        for (_, index, root_row, _), path, tokens in zip(self._verifying, verdict.accepted, verdict.tokens):
+            output[index, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            logit_rows[index, 1 : len(tokens)] = first_logit[index] + 1 + path
+            moved = path + 1 != np.arange(1, path.size + 1)
+            src_rows.append(root_row + 1 + path[moved])
+            dst_rows.append(root_row + 1 + np.flatnonzero(moved))
+        if self.move_accepted_kv:
+            slots = self.input_batch.block_table[0].slot_mapping.cpu
+            attention.move_kv(
+                self._kv_layers,
+                slots[torch.from_numpy(np.concatenate(src_rows))].to(torch.int64),
+                slots[torch.from_numpy(np.concatenate(dst_rows))].to(torch.int64),
+            )
+        self._verifying = []
+        self._tree_step = None
+        output = output.to(logits.device)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            chosen = logits[torch.from_numpy(logit_rows.reshape(-1)).to(logits.device)].to(torch.float32)
+            tokens = output.view(-1).to(torch.int64).clamp(min=0)
+            logprobs = self.sampler.gather_logprobs(
+                self.sampler.compute_logprobs(chosen), sampling_metadata.max_num_logprobs, tokens
+            )
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+
+    # -------------------------------------------------------------- draft
+    def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.tree_config is None:
+            return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
+        batch = self.input_batch
+        requests, positions = [], []
+        for index, req_id in enumerate(batch.req_ids):
+            params = self.requests[req_id].sampling_params
+            if not sampled_token_ids[index] or params is None or not request_supports_trees(params):
+                continue
+            num_tokens = int(batch.num_tokens_no_spec[index])
+            requests.append(
+                DraftRequest(
+                    req_id=req_id,
+                    token_ids=batch.token_ids_cpu[index, :num_tokens],
+                    options=self.tree_config.with_overrides(params.extra_args),
+                    temperature=params.temperature,
+                    new_token_ids=list(sampled_token_ids[index]),
+                )
+            )
+            positions.append(index)
+        drafts: list[list[int]] = [[] for _ in batch.req_ids]
+        max_len = self.vllm_config.model_config.max_model_len
+        for index, request, tree in zip(positions, requests, self.tree_drafter.propose(requests)):
+            # Every node needs a KV slot below max_model_len.
+            tree = tree.truncate(max(0, min(tree.num_nodes, max_len - request.token_ids.size - 1)))
+            self._proposed[request.req_id] = tree
+            drafts[index] = tree.tokens.tolist()
+        return drafts
+
+
+@functools.cache
+def tree_runner_class(base: type) -> type:
+    """``base`` (vLLM's CPU or GPU model runner) with tree verification."""
+    return type(f"Tree{base.__name__}", (TreeRunnerMixin, base), {})
