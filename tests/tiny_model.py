@@ -9,15 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-VOCAB_WORDS = 500
+VOCAB_WORDS = 100
 
 
-def build_tiny_model(path: Path, seed: int = 0, init_std: float = 0.5) -> Path:
+def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004) -> Path:
     """Write a loadable model directory to ``path`` and return it.
 
-    A large ``init_std`` makes the random model confident and repetitive, like
-    a real model on code: greedy continuations repeat n-grams with varying
-    continuations, which is what the lookup drafters feed on.
+    Random weights, but shaped so greedy decoding behaves like a real model on
+    code: the residual stream is dominated by the current token's embedding
+    (attention and MLP outputs are scaled by ``mixing``), so the output falls
+    into repeating cycles a lookup drafter can predict, while attention still
+    changes the argmax often enough that the same token is followed by
+    different tokens in different contexts (trees branch, and a wrong tree
+    attention mask or position changes the output).
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -44,11 +48,15 @@ def build_tiny_model(path: Path, seed: int = 0, init_std: float = 0.5) -> Path:
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        initializer_range=init_std,
+        initializer_range=0.5,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(mixing)
+            layer.mlp.down_proj.weight.mul_(mixing)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

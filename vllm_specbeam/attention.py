@@ -40,6 +40,9 @@ class TreeStep:
     row_valid: torch.Tensor  # [R, Rmax] bool
     #: which keys each row may see: context, then the tree rows
     key_mask: torch.Tensor  # [R, Rmax, Kmax] bool
+    #: token rows of the draft nodes and the positions they must have
+    node_rows: torch.Tensor  # [sum of nodes]
+    node_positions: torch.Tensor  # [sum of nodes]: context length + depth
 
     @classmethod
     def build(
@@ -63,6 +66,8 @@ class TreeStep:
             torch.from_numpy(query_rows),
             torch.from_numpy(row_valid),
             torch.from_numpy(key_mask),
+            torch.from_numpy(query_rows[:, 1:][row_valid[:, 1:]]),
+            torch.from_numpy(np.concatenate([c + t.depths for c, t in zip(context_lens, trees)])),
         )
 
 

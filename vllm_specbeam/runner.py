@@ -107,6 +107,8 @@ class TreeRunnerMixin:
         self._proposed: dict[str, DraftTree] = {}
         self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
         self._tree_step: attention.TreeStep | None = None
+        #: running totals read by tests and benchmarks (``LLM.collective_rpc``)
+        self.tree_stats = {"trees": 0, "nodes": 0, "accepted": 0, "accepted_off_first_branch": 0, "kv_moves": 0}
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -172,21 +174,18 @@ class TreeRunnerMixin:
         if not self._verifying:
             self._tree_step = None
             return result
-        context_lens = [int(self.input_batch.num_computed_tokens_cpu[i]) for _, i, _, _ in self._verifying]
-        node_rows, node_positions = [], []
-        for (_, _, root_row, tree), context in zip(self._verifying, context_lens):
-            node_rows.append(root_row + 1 + np.arange(tree.num_nodes))
-            node_positions.append(context + tree.depths)
-        rows = torch.from_numpy(np.concatenate(node_rows))
-        self.positions[rows.to(self.positions.device)] = torch.from_numpy(np.concatenate(node_positions)).to(
-            self.positions.device, self.positions.dtype
-        )
-        self._tree_step = attention.TreeStep.build(
-            [i for _, i, _, _ in self._verifying],
+        step = attention.TreeStep.build(
+            [index for _, index, _, _ in self._verifying],
             [row for _, _, row, _ in self._verifying],
-            context_lens,
+            [int(self.input_batch.num_computed_tokens_cpu[index]) for _, index, _, _ in self._verifying],
             [tree for *_, tree in self._verifying],
         )
+        # Slots were computed from the linear positions above and stay linear;
+        # only the positions the model sees (RoPE) become context + depth.
+        self.positions[step.node_rows.to(self.positions.device)] = step.node_positions.to(
+            self.positions.device, self.positions.dtype
+        )
+        self._tree_step = step
         return result
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -223,19 +222,18 @@ class TreeRunnerMixin:
         output[:, 0] = plain.to(torch.int32)
         logit_rows = np.repeat(first_logit[:, None], width, axis=1)  # rows whose logprobs vLLM reports
         src_rows, dst_rows = [], []
-        for (_, index, root_row, _), path, tokens in zip(self._verifying, verdict.accepted, verdict.tokens):
+        for (_, index, root_row, tree), path, tokens in zip(self._verifying, verdict.accepted, verdict.tokens):
             output[index, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            self._count(tree, path)
             logit_rows[index, 1 : len(tokens)] = first_logit[index] + 1 + path
             moved = path + 1 != np.arange(1, path.size + 1)
             src_rows.append(root_row + 1 + path[moved])
             dst_rows.append(root_row + 1 + np.flatnonzero(moved))
         if self.move_accepted_kv:
             slots = self.input_batch.block_table[0].slot_mapping.cpu
-            attention.move_kv(
-                self._kv_layers,
-                slots[torch.from_numpy(np.concatenate(src_rows))].to(torch.int64),
-                slots[torch.from_numpy(np.concatenate(dst_rows))].to(torch.int64),
-            )
+            src = slots[torch.from_numpy(np.concatenate(src_rows))].to(torch.int64)
+            attention.move_kv(self._kv_layers, src, slots[torch.from_numpy(np.concatenate(dst_rows))].to(torch.int64))
+            self.tree_stats["kv_moves"] += src.numel()
         self._verifying = []
         self._tree_step = None
         output = output.to(logits.device)
@@ -247,6 +245,14 @@ class TreeRunnerMixin:
                 self.sampler.compute_logprobs(chosen), sampling_metadata.max_num_logprobs, tokens
             )
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+
+    def _count(self, tree: DraftTree, path: np.ndarray) -> None:
+        stats = self.tree_stats
+        stats["trees"] += 1
+        stats["nodes"] += tree.num_nodes
+        stats["accepted"] += path.size
+        first_children = {int(p): int(np.argmax(tree.parents == p)) for p in tree.parents[path]}
+        stats["accepted_off_first_branch"] += sum(first_children[int(tree.parents[n])] != n for n in path)
 
     # -------------------------------------------------------------- draft
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:

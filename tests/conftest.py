@@ -1,0 +1,82 @@
+"""Shared fixtures: one tiny model per session and engines shared by tests.
+
+Engine start-up costs tens of seconds on a CPU, so each engine configuration
+is started once per session (``engine(...)``) and reused.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before vLLM is imported anywhere: size the CPU KV cache, use both cores,
+# and allow collective_rpc with test functions (to read the runner's counters).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tiny_model import VOCAB_WORDS, build_tiny_model, prompt_text
+
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def make_prompts(count: int = 10, seed: int = 0) -> list[str]:
+    """Prompts of different lengths (4 to 300 words) with repeated phrases,
+    so lookup finds earlier occurrences with differing continuations."""
+    rng = random.Random(seed)
+    lengths = [4, 9, 17, 33, 60, 95, 140, 200, 260, 300][:count]
+    prompts = []
+    for length in lengths:
+        phrases = [[rng.randrange(VOCAB_WORDS) for _ in range(rng.randint(2, 6))] for _ in range(4)]
+        words: list[int] = []
+        while len(words) < length:
+            words += rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(VOCAB_WORDS)]
+        prompts.append(prompt_text(words[:length]))
+    return prompts
+
+
+class Engines:
+    """Lazily started ``LLM`` objects keyed by their speculative config."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._engines: dict[str, object] = {}
+
+    def get(self, speculative_config: dict | None = None, **kwargs: object):
+        from vllm import LLM
+
+        key = json.dumps([speculative_config, kwargs], sort_keys=True)
+        if key not in self._engines:
+            self._engines[key] = LLM(
+                model=self.model,
+                dtype="float32",
+                max_model_len=MAX_MODEL_LEN,
+                seed=0,
+                speculative_config=speculative_config,
+                disable_log_stats=False,
+                **kwargs,
+            )
+        return self._engines[key]
+
+    def close(self) -> None:
+        for llm in self._engines.values():
+            llm.llm_engine.engine_core.shutdown()
+        self._engines.clear()
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_model: str):
+    pool = Engines(tiny_model)
+    yield pool
+    pool.close()

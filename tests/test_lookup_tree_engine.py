@@ -1,0 +1,128 @@
+"""``lookup_tree`` inside vLLM: greedy output equals vLLM without speculation.
+
+These run real engines on a tiny random model (see ``tiny_model.py``) and
+compare token ids, batched and one request at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_prompts
+
+LOOKUP = {"method": "lookup_tree", "num_speculative_tokens": 4, "max_nodes": 12, "prompt_lookup_min": 1}
+MAX_TOKENS = 48
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def runner_stats(llm) -> dict[str, int]:
+    return llm.collective_rpc(_read_stats)[0]
+
+
+def _read_stats(worker) -> dict[str, int]:
+    return dict(worker.model_runner.tree_stats)
+
+
+def _set_kv_move(worker, enabled: bool) -> None:
+    worker.model_runner.move_accepted_kv = enabled
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    return make_prompts(10)
+
+
+@pytest.fixture(scope="module")
+def reference(engines, prompts) -> list[list[int]]:
+    return token_ids(engines.get(None).generate(prompts, greedy()))
+
+
+def test_batched_greedy_equals_no_speculation(engines, prompts, reference):
+    llm = engines.get(LOOKUP)
+    before = runner_stats(llm)
+    assert token_ids(llm.generate(prompts, greedy())) == reference
+    after = runner_stats(llm)
+    # The tree path was really taken: trees verified, drafts accepted, and some
+    # accepted node was not the first child of its parent.
+    assert after["trees"] > before["trees"]
+    assert after["accepted"] > before["accepted"]
+    assert after["accepted_off_first_branch"] > before["accepted_off_first_branch"]
+    assert after["kv_moves"] > before["kv_moves"]
+
+
+def test_one_at_a_time_greedy_equals_no_speculation(engines, prompts, reference):
+    llm = engines.get(LOOKUP)
+    for prompt, expected in zip(prompts, reference):
+        assert token_ids(llm.generate([prompt], greedy(), use_tqdm=False)) == [expected]
+
+
+def test_kv_move_is_needed(engines, prompts, reference):
+    """With the accepted path left where it was verified, later steps attend
+    to the wrong keys and the output changes: the move is exercised."""
+    llm = engines.get(LOOKUP)
+    llm.collective_rpc(_set_kv_move, args=(False,))
+    try:
+        broken = token_ids(llm.generate(prompts, greedy()))
+    finally:
+        llm.collective_rpc(_set_kv_move, args=(True,))
+    assert broken != reference
+    assert token_ids(llm.generate(prompts, greedy())) == reference
+
+
+def test_spec_decode_metrics_count_trees(engines, prompts):
+    llm = engines.get(LOOKUP)
+
+    def totals() -> dict[str, object]:
+        return {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+
+    before_stats, before = runner_stats(llm), totals()
+    llm.generate(prompts, greedy())
+    after_stats, after = runner_stats(llm), totals()
+
+    def delta(name: str):
+        return after[name] - before[name]
+
+    assert delta("vllm:spec_decode_num_drafts") == after_stats["trees"] - before_stats["trees"]
+    assert delta("vllm:spec_decode_num_draft_tokens") == after_stats["nodes"] - before_stats["nodes"]
+    assert delta("vllm:spec_decode_num_accepted_tokens") == after_stats["accepted"] - before_stats["accepted"]
+    per_depth = [a - b for a, b in zip(after["vllm:spec_decode_num_accepted_tokens_per_pos"],
+                                       before["vllm:spec_decode_num_accepted_tokens_per_pos"])]
+    # Position i counts paths that reached depth i + 1: non-increasing, summing to the total.
+    assert sum(per_depth) == delta("vllm:spec_decode_num_accepted_tokens")
+    assert all(a >= b for a, b in zip(per_depth, per_depth[1:]))
+    assert per_depth[LOOKUP["num_speculative_tokens"]:] == [0] * (len(per_depth) - LOOKUP["num_speculative_tokens"])
+
+
+def test_sampling_request_decodes_without_speculation(engines, prompts):
+    """Until the lossless sampling rule lands, temperature > 0 requests are
+    not drafted: same seeded output as without speculation."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+    llm = engines.get(LOOKUP)
+    before = runner_stats(llm)
+    ours = token_ids(llm.generate(prompts[:3], params))
+    assert runner_stats(llm)["trees"] == before["trees"]
+    assert ours == token_ids(engines.get(None).generate(prompts[:3], params))
+
+
+def test_per_request_override_and_bad_value(engines, prompts, reference):
+    llm = engines.get(LOOKUP)
+    shallow = greedy(extra_args={"num_speculative_tokens": 2, "max_nodes": 4})
+    assert token_ids(llm.generate(prompts[:4], shallow)) == reference[:4]
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="max_nodes=64 exceeds the engine's max_nodes=12"):
+        llm.generate(prompts[:1], greedy(extra_args={"max_nodes": 64}))
+    with pytest.raises(VLLMValidationError, match="option .prompt_lookup_min. must be a int"):
+        llm.generate(prompts[:1], greedy(extra_args={"prompt_lookup_min": "2"}))
+    # The engine survived the bad requests.
+    assert token_ids(llm.generate(prompts[:2], greedy())) == reference[:2]
