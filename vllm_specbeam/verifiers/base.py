@@ -39,6 +39,9 @@ class TreeVerifier(ABC):
         trees: Sequence[DraftTree],
         target: torch.Tensor,
         row_starts: np.ndarray,
+        generators: Sequence[torch.Generator | None] | None = None,
     ) -> Verdict:
         """``target`` holds one row per verification row: logits for greedy
-        rules, probabilities (after temperature/top-k/top-p) for sampling rules."""
+        rules, probabilities (after temperature/top-k/top-p) for sampling rules.
+        ``generators`` (one per request, for seeded requests) drive the random
+        choices of sampling rules; deterministic rules ignore them."""

@@ -44,6 +44,7 @@ class GreedyTreeVerifier(TreeVerifier):
         trees: Sequence[DraftTree],
         target: torch.Tensor,
         row_starts: np.ndarray,
+        generators: Sequence[torch.Generator | None] | None = None,
     ) -> Verdict:
         argmax = target.argmax(dim=-1).cpu().numpy()
         accepted, tokens = [], []
