@@ -32,6 +32,8 @@ class Option:
     low: float | None = None
     high: float | None = None
     choices: tuple[Any, ...] | None = None
+    #: False for options that shape engine-wide state (files, models)
+    per_request: bool = True
 
     def check(self, name: str, value: Any) -> Any:
         kind = type(self.default)
@@ -55,6 +57,11 @@ TREE_OPTIONS: dict[str, Option] = {
 }
 
 
+def _load(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class Method:
     """A method name users can pass, and where its drafter lives."""
@@ -62,10 +69,14 @@ class Method:
     drafter: str | None  # "module:Class", None until the method lands
     needs_draft_model: bool = False
     issue: str = ""
+    #: acceptance rule for temperature > 0 ("module:Class"); greedy is always exact argmax matching
+    sampling_verifier: str = "vllm_specbeam.verifiers.rejection:RejectionTreeVerifier"
 
     def drafter_class(self) -> type:
-        module, _, name = self.drafter.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _load(self.drafter)
+
+    def sampling_verifier_class(self) -> type:
+        return _load(self.sampling_verifier)
 
     def options(self) -> dict[str, Option]:
         return {**TREE_OPTIONS, **getattr(self.drafter_class(), "OPTIONS", {})}
@@ -88,7 +99,7 @@ METHODS: dict[str, Method] = {
     "dsbd": Method(None, needs_draft_model=True, issue="dynamic-width speculative beam decoding"),
     "mcsd": Method(None, needs_draft_model=True, issue="multi-candidate speculative decoding"),
     "mjsd": Method(None, needs_draft_model=True, issue="multi-token joint speculative decoding"),
-    "aded": Method(None, issue="adaptive draft-verification (tri-gram + MCTS)"),
+    "aded": Method("vllm_specbeam.drafters.aded:AdedDrafter"),
 }
 
 #: Keys of vLLM's own SpeculativeConfig that the plugin forwards or uses as is.
@@ -133,6 +144,11 @@ class SpecbeamConfig:
         specs = method.options()
         for name, value in overrides.items():
             if name in specs:
+                if not specs[name].per_request:
+                    raise SpecbeamConfigError(
+                        f"option {name!r} is engine-wide and cannot be set per request; "
+                        f"set it in the engine's speculative config"
+                    )
                 options[name] = specs[name].check(name, value)
         method.check(options)
         for name in TREE_OPTIONS:
@@ -178,6 +194,13 @@ def parse(speculative_config: Mapping[str, Any]) -> SpecbeamConfig:
         )
     options = {key: spec.check(key, user.get(key, spec.default)) for key, spec in specs.items()}
     return SpecbeamConfig(name, method.check(options), draft_model)
+
+
+def fill_target_tokenizer(config: SpecbeamConfig, tokenizer: str) -> SpecbeamConfig:
+    """Give drafters that check vocabularies the target's tokenizer, unless set."""
+    if "tokenizer" in METHODS[config.method].options() and not config.options.get("tokenizer"):
+        return SpecbeamConfig(config.method, {**config.options, "tokenizer": tokenizer}, config.draft_model)
+    return config
 
 
 def vllm_carrier(config: SpecbeamConfig) -> dict[str, Any]:

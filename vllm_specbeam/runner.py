@@ -64,15 +64,16 @@ class DrafterHost:
 
 
 def request_supports_trees(params: Any) -> bool:
-    """Whether a request can be verified as a tree by the greedy rule.
+    """Whether a request's target distribution can be verified as a tree.
 
-    Penalties, logits processors and structured output change the target's
-    distribution depending on the tokens before each row, which a tree does
-    not have in one sequence; sampling needs the lossless stochastic rule.
-    Such requests decode without speculation (one token per step), exactly.
+    Temperature, top-k and top-p are applied per row exactly as vLLM does.
+    Penalties, min-p, logit bias, bad words, min-tokens and structured output
+    are applied by vLLM depending on the tokens before each row (or not at all
+    on its speculative path), which a tree does not have in one sequence: such
+    requests decode without speculation (one token per step), exactly.
     """
     return (
-        params.temperature < SAMPLING_EPS
+        params.min_p == 0.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0
@@ -83,6 +84,27 @@ def request_supports_trees(params: Any) -> bool:
         and params.thinking_token_budget is None
         and params.structured_outputs is None
     )
+
+
+def target_probabilities(
+    logits: torch.Tensor, batch_indices: list[int], rows_per_request: np.ndarray, sampling_metadata: Any
+) -> torch.Tensor:
+    """The target's sampling distribution for each verification row.
+
+    Temperature, top-k and top-p of each request applied to all its rows, with
+    vLLM's own top-k/top-p op (vllm/v1/sample/ops/topk_topp_sampler.py), so
+    the distribution is the one vLLM samples from without speculation.
+    """
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    index = torch.as_tensor(batch_indices, device=logits.device)
+    repeats = torch.as_tensor(rows_per_request, device=logits.device)
+
+    def per_row(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values[index].repeat_interleave(repeats)
+
+    scaled = logits.to(torch.float32) / per_row(sampling_metadata.temperature)[:, None]
+    return apply_top_k_top_p(scaled, per_row(sampling_metadata.top_k), per_row(sampling_metadata.top_p)).softmax(-1)
 
 
 class TreeRunnerMixin:
@@ -103,6 +125,7 @@ class TreeRunnerMixin:
             )
         attention.install_cpu_tree_attention()
         self.tree_verifier = GreedyTreeVerifier()
+        self.sampling_verifier = METHODS[self.tree_config.method].sampling_verifier_class()()
         self.move_accepted_kv = True  # switched off only by a test that proves the move matters
         self._proposed: dict[str, DraftTree] = {}
         self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
@@ -214,15 +237,13 @@ class TreeRunnerMixin:
         first_logit = spec_decode_metadata.cu_num_sampled_tokens.cpu().numpy() - (
             np.asarray(spec_decode_metadata.num_draft_tokens) + 1
         )
-        trees = [tree for *_, tree in self._verifying]
-        logit_starts = first_logit[[index for _, index, _, _ in self._verifying]]
-        verdict = self.tree_verifier.verify(trees, logits, logit_starts)
+        verdicts = self._verify(logits, first_logit, spec_decode_metadata, sampling_metadata)
 
         output = torch.full((num_reqs, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
         output[:, 0] = plain.to(torch.int32)
         logit_rows = np.repeat(first_logit[:, None], width, axis=1)  # rows whose logprobs vLLM reports
         src_rows, dst_rows = [], []
-        for (_, index, root_row, tree), path, tokens in zip(self._verifying, verdict.accepted, verdict.tokens):
+        for (_, index, root_row, tree), (path, tokens) in zip(self._verifying, verdicts):
             output[index, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
             self._count(tree, path)
             logit_rows[index, 1 : len(tokens)] = first_logit[index] + 1 + path
@@ -245,6 +266,38 @@ class TreeRunnerMixin:
                 self.sampler.compute_logprobs(chosen), sampling_metadata.max_num_logprobs, tokens
             )
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+
+    def _verify(
+        self, logits: torch.Tensor, first_logit: np.ndarray, spec_decode_metadata: Any, sampling_metadata: Any
+    ) -> list[tuple[np.ndarray, list[int]]]:
+        """(accepted path, tokens to commit) per verifying request.
+
+        Greedy requests: exact argmax matching on the raw logits. Sampled
+        requests: the method's lossless rule on the target's probabilities
+        after vLLM's own temperature / top-k / top-p processing.
+        """
+        greedy = [self.requests[req_id].sampling_params.temperature < SAMPLING_EPS for req_id, *_ in self._verifying]
+        results: list[tuple[np.ndarray, list[int]] | None] = [None] * len(self._verifying)
+        for use_greedy in (True, False):
+            chosen = [k for k, g in enumerate(greedy) if g == use_greedy]
+            if not chosen:
+                continue
+            indices = [self._verifying[k][1] for k in chosen]
+            trees = [self._verifying[k][3] for k in chosen]
+            if use_greedy:
+                verdict = self.tree_verifier.verify(trees, logits, first_logit[indices])
+            else:
+                rows_per_request = np.array([tree.num_nodes + 1 for tree in trees])
+                rows = np.concatenate([first_logit[i] + np.arange(n) for i, n in zip(indices, rows_per_request)])
+                verdict = self.sampling_verifier.verify(
+                    trees,
+                    target_probabilities(logits[torch.from_numpy(rows)], indices, rows_per_request, sampling_metadata),
+                    np.concatenate([[0], np.cumsum(rows_per_request)[:-1]]),
+                    [sampling_metadata.generators.get(index) for index in indices],
+                )
+            for k, path, tokens in zip(chosen, verdict.accepted, verdict.tokens):
+                results[k] = (path, tokens)
+        return results
 
     def _count(self, tree: DraftTree, path: np.ndarray) -> None:
         stats = self.tree_stats

@@ -52,9 +52,9 @@ class AdedDrafter(TreeDrafter):
 
     OPTIONS: dict[str, Option] = {
         "trigram": Option("", "directory of a tri-gram matrix from `vllm-specbeam trigram build` "
-                              "(\"\" = no corpus: draft from the prompt and the output alone); engine-wide"),
+                              "(\"\" = no corpus: draft from the prompt and the output alone)", per_request=False),
         "tokenizer": Option("", "the target's tokenizer (name or path), to check the matrix was built with it; "
-                                "filled in from the target model; engine-wide"),
+                                "filled in from the target model", per_request=False),
         "iterations": Option(150, "MCTS iterations per draft tree", 1, 10_000),
         "num_paths": Option(24, "most-visited search paths merged into the draft tree", 1, 256),
         "adapt_window": Option(16, "tri-grams of the last this many tokens of a new request's context seed its "
