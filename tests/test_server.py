@@ -1,0 +1,93 @@
+"""The OpenAI-compatible server started with ``vllm-specbeam serve``.
+
+Greedy completions with ``lookup_tree`` equal ``LLM(...)`` without
+speculation, sent concurrently so the server batches them; the spec-decode
+counters are on ``/metrics``; a bad per-request option (``vllm_xargs``) fails
+that request with HTTP 400 and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from conftest import MAX_MODEL_LEN, make_prompts
+from test_lookup_tree_engine import LOOKUP, MAX_TOKENS, greedy
+
+STARTUP_SECONDS = 300
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    port = free_port()
+    log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
+    command = [
+        sys.executable, "-m", "vllm_specbeam.cli", "serve", tiny_model,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
+        "--speculative-config", json.dumps(LOOKUP),
+    ]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_SECONDS
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}; see {log.name}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not start in {STARTUP_SECONDS} s; see {log.name}")
+            time.sleep(2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def complete(url: str, model: str, prompt: str, **extra) -> requests.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, **extra}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_server_greedy_equals_no_speculation(server, engines, tiny_model):
+    prompts = make_prompts(10)
+    expected = [o.outputs[0].text for o in engines.get(None).generate(prompts, greedy())]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        responses = list(pool.map(lambda p: complete(server, tiny_model, p), prompts))
+    assert [r.status_code for r in responses] == [200] * len(prompts)
+    assert [r.json()["choices"][0]["text"] for r in responses] == expected
+
+    metrics = requests.get(f"{server}/metrics", timeout=10).text
+    drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
+    accepted = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert drafts and float(drafts[0].split()[-1]) > 0
+    assert accepted and float(accepted[0].split()[-1]) > 0
+
+
+def test_server_rejects_bad_per_request_option(server, tiny_model):
+    bad = complete(server, tiny_model, "w1 w2 w3", vllm_xargs={"max_nodes": 64})
+    assert bad.status_code == 400
+    assert "max_nodes=64 exceeds the engine's max_nodes=12" in bad.text
+    good = complete(server, tiny_model, "w1 w2 w3", vllm_xargs={"max_nodes": 4, "num_speculative_tokens": 2})
+    assert good.status_code == 200

@@ -1,0 +1,104 @@
+"""The tree type, its ancestor mask, and the per-step layout built from it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_specbeam.attention import TreeStep
+from vllm_specbeam.drafters.lookup_tree import match_ends
+from vllm_specbeam.tree import ROOT, DraftTree
+from vllm_specbeam.verifiers.greedy import GreedyTreeVerifier, greedy_path
+
+#        root
+#       /    \
+#     a(0)   b(1)
+#     /  \      \
+#   c(2) d(3)   e(4)
+#    |
+#   f(5)
+TREE = DraftTree(tokens=[10, 11, 12, 13, 14, 15], parents=[ROOT, ROOT, 0, 0, 1, 2])
+
+
+def test_depths_children_and_paths():
+    assert TREE.depths.tolist() == [1, 1, 2, 2, 2, 3]
+    assert TREE.max_depth == 3
+    assert TREE.children().tolist() == [0, 1]
+    assert TREE.children(0).tolist() == [2, 3]
+    assert TREE.path_to(5) == [0, 2, 5]
+    assert TREE.path_to(4) == [1, 4]
+
+
+def test_ancestor_mask_rows_see_root_ancestors_and_self_only():
+    mask = TREE.ancestor_mask
+    expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 2, 5}, 6: {0, 1, 3, 6}}
+    for row, visible in expected.items():
+        assert set(np.flatnonzero(mask[row])) == visible, row
+
+
+def test_invalid_trees_are_refused():
+    with pytest.raises(ValueError, match="topological order"):
+        DraftTree(tokens=[1, 2], parents=[1, ROOT])
+    with pytest.raises(ValueError, match="differ in length"):
+        DraftTree(tokens=[1, 2], parents=[ROOT])
+
+
+def test_truncate_keeps_a_tree():
+    small = TREE.truncate(4)
+    assert small.tokens.tolist() == [10, 11, 12, 13]
+    assert small.ancestor_mask.shape == (5, 5)
+
+
+def test_from_paths_merges_prefixes_and_respects_budget():
+    tree = DraftTree.from_paths([[1, 2, 3], [1, 2, 4], [5]], max_nodes=4)
+    assert tree.tokens.tolist() == [1, 2, 3, 4]
+    assert tree.parents.tolist() == [ROOT, 0, 1, 1]
+
+
+def test_from_weighted_paths_takes_heaviest_nodes_best_first():
+    paths = [[7, 8], [1, 2, 3], [1, 2, 4], [1, 5]]
+    tree = DraftTree.from_weighted_paths(paths, [1, 1, 1, 1], max_nodes=4)
+    # "1" is shared by three paths, then "1 2" by two; the rest weigh one each
+    # and are taken in the order they were first seen ("7", then "7 8").
+    assert tree.tokens.tolist() == [1, 2, 7, 8]
+    assert tree.parents.tolist() == [ROOT, 0, ROOT, 2]
+
+
+def test_greedy_path_follows_argmax_through_non_first_branch():
+    argmax_rows = np.zeros(TREE.num_nodes + 1, np.int64)
+    argmax_rows[0] = 11  # root -> b (the second child)
+    argmax_rows[2] = 14  # b -> e
+    argmax_rows[5] = 99  # e -> bonus 99
+    assert greedy_path(TREE, argmax_rows).tolist() == [1, 4]
+
+
+def test_greedy_verifier_batches_requests_and_adds_target_token():
+    import torch
+
+    vocab = 100
+    chain = DraftTree.chain([3, 4])
+    logits = torch.zeros(TREE.num_nodes + 1 + chain.num_nodes + 1, vocab)
+    for row, token in [(0, 10), (1, 12), (3, 15), (4, 42), (7, 3), (8, 9)]:
+        logits[row, token] = 1.0
+    verdict = GreedyTreeVerifier().verify([TREE, chain], logits, np.array([0, 7]))
+    assert [p.tolist() for p in verdict.accepted] == [[0, 2, 5], [0]]
+    assert verdict.tokens == [[10, 12, 15, 0], [3, 9]]
+
+
+def test_tree_step_positions_are_context_plus_depth():
+    step = TreeStep.build(req_indices=[2, 0], first_rows=[5, 40], context_lens=[100, 7], trees=[TREE, DraftTree.chain([1])])
+    assert step.node_rows.tolist() == [6, 7, 8, 9, 10, 11, 41]
+    assert step.node_positions.tolist() == [101, 101, 102, 102, 102, 103, 8]
+    # request 0: all 100 context keys, then the tree's own rows by ancestry
+    assert step.key_mask[0, 3, :100].all()
+    assert step.key_mask[0, 3, 100:107].tolist() == TREE.ancestor_mask[3].tolist()
+    # request 1: a chain of one node behind 7 context tokens; padding sees nothing
+    assert step.key_mask[1, 1, :9].tolist() == [True] * 9
+    assert not step.key_mask[1, 2:].any() and not step.row_valid[1, 2:].any()
+
+
+def test_match_ends_finds_every_earlier_occurrence_of_longest_suffix():
+    tokens = np.array([5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2])
+    # the suffix "1 2" occurs ending at 2 and 6; "7 1 2" never earlier
+    assert match_ends(tokens, 1, 3).tolist() == [6, 2]
+    assert match_ends(tokens, 3, 3).tolist() == []
