@@ -31,6 +31,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Same tokenizer as ``tiny_model``, other weights: a draft model."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1))
+
+
 def make_prompts(count: int = 10, seed: int = 0) -> list[str]:
     """Prompts of different lengths (4 to 300 words) with repeated phrases,
     so lookup finds earlier occurrences with differing continuations."""

@@ -43,6 +43,20 @@ def test_startup_errors_name_problem_and_fix(tiny_model, spec, message):
         engine_config(tiny_model, spec)
 
 
+def test_draft_model_problems(tiny_model, tiny_draft, tmp_path):
+    from tiny_model import build_tiny_model
+
+    with pytest.raises(SpecbeamConfigError, match=r"'dsbd' needs a draft model: add \"model\""):
+        engine_config(tiny_model, {"method": "dsbd"})
+    with pytest.raises(SpecbeamConfigError, match=r"cannot load the draft model's tokenizer from '/nonexistent/draft'"):
+        engine_config(tiny_model, {"method": "dsbd", "model": "/nonexistent/draft"})
+    other = str(build_tiny_model(tmp_path / "other-vocab", word_prefix="v"))
+    with pytest.raises(SpecbeamConfigError, match=r"do not tokenise identically: 100 tokens only in the draft"):
+        engine_config(tiny_model, {"method": "dsbd", "model": other})
+    config = engine_config(tiny_model, {"method": "dsbd", "model": tiny_draft, "max_width": 2})
+    assert config.additional_config["specbeam"]["options"]["draft_model"] == tiny_draft
+
+
 def test_unknown_method_lists_vllm_and_plugin_methods(tiny_model):
     # Unknown names go to vLLM's own validator, which lists its methods; the
     # plugin's are recognised before that and never reach it.

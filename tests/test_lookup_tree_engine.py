@@ -122,3 +122,12 @@ def test_aded_greedy_equals_no_speculation(engines, prompts, reference):
     assert token_ids(llm.generate(prompts, greedy())) == reference
     after = runner_stats(llm)
     assert after["accepted"] > before["accepted"]
+
+
+def test_dsbd_width_one_greedy_equals_no_speculation(engines, tiny_draft, prompts, reference):
+    """Greedy DSBD is beam decoding; with one beam it is greedy decoding, exactly."""
+    spec = {"method": "dsbd", "model": tiny_draft, "num_speculative_tokens": 3, "max_nodes": 12,
+            "min_width": 1, "max_width": 1}
+    llm = engines.get(spec)
+    assert token_ids(llm.generate(prompts, greedy())) == reference
+    assert runner_stats(llm)["trees"] > 0

@@ -12,7 +12,7 @@ from pathlib import Path
 VOCAB_WORDS = 100
 
 
-def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004) -> Path:
+def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004, word_prefix: str = "w") -> Path:
     """Write a loadable model directory to ``path`` and return it.
 
     Random weights, but shaped so greedy decoding behaves like a real model on
@@ -21,7 +21,9 @@ def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004) -> Path:
     into repeating cycles a lookup drafter can predict, while attention still
     changes the argmax often enough that the same token is followed by
     different tokens in different contexts (trees branch, and a wrong tree
-    attention mask or position changes the output).
+    attention mask or position changes the output). Another ``seed`` gives a
+    draft model for the same tokenizer; another ``word_prefix`` a model whose
+    vocabulary does not match.
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -29,7 +31,7 @@ def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i + 3 for i in range(VOCAB_WORDS)})
+    vocab.update({f"{word_prefix}{i}": i + 3 for i in range(VOCAB_WORDS)})
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(

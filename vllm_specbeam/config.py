@@ -69,14 +69,16 @@ class Method:
     drafter: str | None  # "module:Class", None until the method lands
     needs_draft_model: bool = False
     issue: str = ""
-    #: acceptance rule for temperature > 0 ("module:Class"); greedy is always exact argmax matching
+    #: acceptance rules ("module:Class") for temperature 0 and for sampling
+    greedy_verifier: str = "vllm_specbeam.verifiers.greedy:GreedyTreeVerifier"
     sampling_verifier: str = "vllm_specbeam.verifiers.rejection:RejectionTreeVerifier"
 
     def drafter_class(self) -> type:
         return _load(self.drafter)
 
-    def sampling_verifier_class(self) -> type:
-        return _load(self.sampling_verifier)
+    def verifiers(self) -> tuple[Any, Any]:
+        """(greedy rule, sampling rule) instances."""
+        return _load(self.greedy_verifier)(), _load(self.sampling_verifier)()
 
     def options(self) -> dict[str, Option]:
         return {**TREE_OPTIONS, **getattr(self.drafter_class(), "OPTIONS", {})}
@@ -96,7 +98,12 @@ class Method:
 
 METHODS: dict[str, Method] = {
     "lookup_tree": Method("vllm_specbeam.drafters.lookup_tree:LookupTreeDrafter"),
-    "dsbd": Method(None, needs_draft_model=True, issue="dynamic-width speculative beam decoding"),
+    "dsbd": Method(
+        "vllm_specbeam.drafters.dsbd:DsbdDrafter",
+        needs_draft_model=True,
+        greedy_verifier="vllm_specbeam.verifiers.dsbd:DsbdGreedyVerifier",
+        sampling_verifier="vllm_specbeam.verifiers.dsbd:DsbdVerifier",
+    ),
     "mcsd": Method(None, needs_draft_model=True, issue="multi-candidate speculative decoding"),
     "mjsd": Method(None, needs_draft_model=True, issue="multi-token joint speculative decoding"),
     "aded": Method("vllm_specbeam.drafters.aded:AdedDrafter"),
@@ -191,6 +198,7 @@ def parse(speculative_config: Mapping[str, Any], target_tokenizer: str | None = 
             f"speculative method {name!r} uses no draft model; remove \"model\" from the speculative config"
         )
     specs = method.options()
+    user.pop("draft_model", None)  # given as "model", like vLLM's draft methods
     unknown = sorted(set(user) - set(specs))
     if unknown:
         raise SpecbeamConfigError(
@@ -200,6 +208,8 @@ def parse(speculative_config: Mapping[str, Any], target_tokenizer: str | None = 
     options = {key: spec.check(key, user.get(key, spec.default)) for key, spec in specs.items()}
     if "tokenizer" in options and not options["tokenizer"] and target_tokenizer:
         options["tokenizer"] = target_tokenizer
+    if "draft_model" in options and draft_model:
+        options["draft_model"] = draft_model
     return SpecbeamConfig(name, method.check(options), draft_model)
 
 

@@ -31,7 +31,6 @@ from vllm_specbeam import attention
 from vllm_specbeam.config import METHODS, SpecbeamConfig
 from vllm_specbeam.drafters.base import DraftRequest, TreeDrafter
 from vllm_specbeam.tree import DraftTree
-from vllm_specbeam.verifiers.greedy import GreedyTreeVerifier
 
 ADDITIONAL_CONFIG_KEY = "specbeam"
 PLACEHOLDER_TOKEN_ID = -1  # vllm.v1.sample.rejection_sampler.PLACEHOLDER_TOKEN_ID
@@ -124,8 +123,7 @@ class TreeRunnerMixin:
                 "the GPU attention backend is not wired in this version"
             )
         attention.install_cpu_tree_attention()
-        self.tree_verifier = GreedyTreeVerifier()
-        self.sampling_verifier = METHODS[self.tree_config.method].sampling_verifier_class()()
+        self.greedy_verifier, self.sampling_verifier = METHODS[self.tree_config.method].verifiers()
         self.move_accepted_kv = True  # switched off only by a test that proves the move matters
         self._proposed: dict[str, DraftTree] = {}
         self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
@@ -285,7 +283,7 @@ class TreeRunnerMixin:
             indices = [self._verifying[k][1] for k in chosen]
             trees = [self._verifying[k][3] for k in chosen]
             if use_greedy:
-                verdict = self.tree_verifier.verify(trees, logits, first_logit[indices])
+                verdict = self.greedy_verifier.verify(trees, logits, first_logit[indices])
             else:
                 rows_per_request = np.array([tree.num_nodes + 1 for tree in trees])
                 rows = np.concatenate([first_logit[i] + np.arange(n) for i, n in zip(indices, rows_per_request)])

@@ -110,7 +110,6 @@ def _sampled_round(tree: DraftTree, target: torch.Tensor, start: int, uniforms: 
         raise TypeError(f"DSBD sampling verification needs a BeamForest with draft rows, got {type(tree).__name__}")
     vocab = target.shape[-1]
     live, target_score, draft_score = [ROOT], [0.0], [0.0]
-    log_target = torch.log(target)
     for level in _levels(tree):
         p = joint(torch.tensor(target_score), _target_rows(target, start, live))
         nodes, slots = _usable(tree, level, live)
@@ -126,7 +125,7 @@ def _sampled_round(tree: DraftTree, target: torch.Tensor, start: int, uniforms: 
         kept = nodes[outcome.accepted]
         parent_slot = slots[outcome.accepted].tolist()
         target_score = [
-            target_score[s] + float(log_target[start + 1 + live[s], tree.tokens[n]]) for s, n in zip(parent_slot, kept)
+            target_score[s] + float(target[start + 1 + live[s], tree.tokens[n]].log()) for s, n in zip(parent_slot, kept)
         ]
         draft_score = [
             draft_score[s] + float(np.log(tree.draft_probs[n, tree.tokens[n]])) for s, n in zip(parent_slot, kept)
@@ -157,3 +156,11 @@ def _greedy_round(tree: DraftTree, logp: torch.Tensor, start: int) -> tuple[int,
         live = kept.tolist()
     best = int((score.unsqueeze(-1) + _target_rows(logp, start, live)).reshape(-1).argmax())
     return live[best // vocab], best % vocab
+
+
+class DsbdGreedyVerifier(DsbdVerifier):
+    """DSBD at temperature 0: beam search over the drafted pairs (a beam
+    decoder, so not token-equal to greedy decoding unless ``max_width=1``)."""
+
+    def __init__(self) -> None:
+        super().__init__(greedy=True)

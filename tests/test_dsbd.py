@@ -1,0 +1,246 @@
+"""DSBD: width rule and per-depth verification by exact enumeration; greedy and drafter checks.
+
+Enumerations run in float64 on joints of 2 beams x 2 tokens, small enough to
+list every drafted sequence and every accept/reject branch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specbeam.drafters.base import DraftRequest
+from vllm_specbeam.drafters.dsbd import DsbdDrafter, sampling_probs
+from vllm_specbeam.dsbd import (
+    BeamForest,
+    acceptance_rates,
+    choose_width,
+    count_distribution,
+    joint,
+    residual_chain,
+    verify_depth,
+)
+from vllm_specbeam.tree import DraftTree
+from vllm_specbeam.verifiers.dsbd import DsbdVerifier
+from vllm_specbeam.verifiers.greedy import GreedyTreeVerifier
+
+TOL = 1e-9
+ACCEPT, REJECT = 0.0, 1.0 - 1e-12  # uniforms that pass any positive ratio / fail any ratio below one
+
+
+def joints(seed: int, zeros: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """A target and a draft joint over 2 beams x 2 tokens (float64)."""
+    rng = np.random.default_rng(seed)
+    rows = lambda: rng.dirichlet(np.ones(2), size=2)  # noqa: E731
+    p = joint(torch.tensor(rng.normal(size=2)), torch.tensor(rows())).numpy()
+    q = joint(torch.tensor(rng.normal(size=2)), torch.tensor(rows())).numpy()
+    if zeros:  # the draft misses a pair the target wants, the target vetoes one the draft likes
+        q[0], p[3] = 0.0, 0.0
+        p, q = p / p.sum(), q / q.sum()
+    return p, q
+
+
+CASES = [joints(0), joints(1), joints(2, zeros=True)]
+
+
+def residual(r: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The rule written out independently of the package."""
+    mass = np.maximum(r - q, 0)
+    return mass / mass.sum() if mass.sum() > 1e-12 else r
+
+
+def brute_force_counts(p: np.ndarray, q: np.ndarray, m: int) -> np.ndarray:
+    """Law of the number of accepted drafts: every draft sequence, every branch."""
+    law = np.zeros(m + 1)
+
+    def walk(r: np.ndarray, left: int, accepted: int, prob: float) -> None:
+        if left == 0:
+            law[accepted] += prob
+            return
+        for x in np.flatnonzero(q > 0):
+            a = min(1.0, r[x] / q[x])
+            walk(p, left - 1, accepted + 1, prob * q[x] * a)
+            walk(residual(r, q), left - 1, accepted, prob * q[x] * (1 - a))
+
+    walk(p, m, 0, 1.0)
+    return law
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_width_rule_matches_brute_force(case: int, m: int) -> None:
+    p, q = CASES[case]
+    alphas = acceptance_rates(residual_chain(torch.tensor(p), torch.tensor(q), m), torch.tensor(q))
+    law = count_distribution(alphas)
+    np.testing.assert_allclose(law, brute_force_counts(p, q, m), atol=TOL)
+    tail = np.cumsum(law[::-1])[::-1]
+    for tau, min_w in itertools.product([0.1, 0.5, 0.9], [1, 2]):
+        expected = min(max(min_w, max(n for n in range(m + 1) if tail[n] >= tau)), m)
+        assert choose_width(alphas, min_w, m, tau) == expected
+
+
+def test_width_is_full_when_draft_equals_target() -> None:
+    p, _ = CASES[0]
+    alphas = acceptance_rates(residual_chain(torch.tensor(p), torch.tensor(p), 4), torch.tensor(p))
+    assert choose_width(alphas, 1, 4, 0.99) == 4
+
+
+def output_law(p: np.ndarray, q: np.ndarray, m: int, width: int) -> dict[tuple[int, ...], float]:
+    """Exact law of a depth's ``width`` output beams: accepted pairs, then (on failure)
+    one draw from the returned residual, then fresh draws from the target."""
+    pt, qt = torch.tensor(p), torch.tensor(q)
+    chain = residual_chain(pt, qt, m)
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+    for drafts in itertools.product(np.flatnonzero(q > 0), repeat=m):
+        seen = set()
+        for decisions in itertools.product([ACCEPT, REJECT], repeat=m):
+            outcome = verify_depth(chain, qt, torch.tensor(drafts), torch.tensor(decisions), width)
+            if tuple(outcome.accepted) in seen:
+                continue  # same branch reached through an unchecked draft's uniform
+            seen.add(tuple(outcome.accepted))
+            prob, r, count = np.prod(q[list(drafts)]), p, 0
+            for j, x in enumerate(drafts):  # replay the branch with the independent rule
+                if count == width:
+                    break
+                a = min(1.0, r[x] / q[x])
+                if j in outcome.accepted:
+                    prob, r, count = prob * a, p, count + 1
+                else:
+                    prob, r = prob * (1 - a), residual(r, q)
+            kept = tuple(int(drafts[j]) for j in outcome.accepted)
+            if outcome.succeeded:
+                law[kept] += prob
+                continue
+            np.testing.assert_allclose(outcome.residual.numpy(), r, atol=TOL)
+            for rest in itertools.product(range(p.size), repeat=width - len(kept)):
+                extra = outcome.residual.numpy()[rest[0]] * np.prod(p[list(rest[1:])])
+                law[kept + rest] += prob * extra
+    return law
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize(("m", "width"), [(1, 1), (2, 1), (3, 2), (3, 3)])
+def test_depth_outputs_are_independent_target_draws(case: int, m: int, width: int) -> None:
+    """The heart of DSBD: whatever the drafts, the output beams are i.i.d. from the target's joint."""
+    p, q = CASES[case]
+    law = output_law(p, q, m, width)
+    for beams in itertools.product(range(p.size), repeat=width):
+        assert law.get(beams, 0.0) == pytest.approx(np.prod(p[list(beams)]), abs=TOL)
+
+
+# ---------------------------------------------------------------- greedy
+def test_greedy_width_one_equals_greedy_tree_verifier() -> None:
+    gen = torch.Generator().manual_seed(0)
+    trees, rows = [], []
+    for k in range(6):
+        logits = torch.randn(5, 11, generator=gen)
+        matches = k % 5  # the first ``matches`` drafts are the target's argmax
+        tokens = [int(logits[i].argmax()) if i < matches else (int(logits[i].argmax()) + 1) % 11 for i in range(4)]
+        trees.append(DraftTree.chain(tokens))
+        rows.append(logits)
+    starts = np.cumsum([0] + [5] * 5)
+    target = torch.cat(rows)
+    ours = DsbdVerifier(greedy=True).verify(trees, target, starts)
+    reference = GreedyTreeVerifier().verify(trees, target, starts)
+    assert ours.tokens == reference.tokens
+    assert [a.tolist() for a in ours.accepted] == [a.tolist() for a in reference.accepted]
+
+
+def target_rows(model: torch.nn.Module, context: list[int], tree: DraftTree) -> torch.Tensor:
+    """Target logits at the root and every node, each from its own full sequence."""
+    seqs = [context] + [context + tree.tokens[tree.path_to(n)].tolist() for n in range(tree.num_nodes)]
+    with torch.inference_mode():
+        return torch.stack([model(torch.tensor([s])).logits[0, -1] for s in seqs]).float()
+
+
+def make_drafter(draft: str, **options: object) -> DsbdDrafter:
+    defaults = {name: option.default for name, option in DsbdDrafter.OPTIONS.items()}
+    full = {**defaults, "num_speculative_tokens": 3, "max_nodes": 12, "draft_model": draft, **options}
+    drafter = DsbdDrafter(full)
+    drafter.load_model(None)
+    return drafter
+
+
+def decode(drafter: DsbdDrafter, verifier: DsbdVerifier, target: torch.nn.Module, prompt: list[int], steps: int,
+           temperature: float = 0.0) -> tuple[list[int], list[int]]:
+    """Run rounds of draft + verify; the committed tokens and tokens committed per round."""
+    tokens, per_round = list(prompt), []
+    for _ in range(steps):
+        request = DraftRequest("r", np.asarray(tokens), drafter.options, temperature=temperature)
+        tree = drafter.propose([request])[0]
+        rows = target_rows(target, tokens, tree)
+        if temperature:
+            rows = torch.softmax(rows / temperature, dim=-1)
+        verdict = verifier.verify([tree], rows, np.array([0]), [torch.Generator().manual_seed(len(tokens))])
+        tokens += verdict.tokens[0]
+        per_round.append(len(verdict.tokens[0]))
+    return tokens[len(prompt):], per_round
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.Module]:
+    """A draft (the session's tiny model) and a target that mostly agrees with it (same
+    weights, more attention mixing), with the same tokenizer."""
+    from tiny_model import build_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    target = build_tiny_model(tmp_path_factory.mktemp("tiny-target"), seed=0, mixing=0.007)
+    return tiny_model, AutoModelForCausalLM.from_pretrained(target).eval()
+
+
+PROMPT = [5, 17, 42, 8, 99, 23, 5, 17]
+
+
+def test_greedy_width_one_decodes_like_the_target(models: tuple[str, torch.nn.Module]) -> None:
+    draft, target = models
+    ours, per_round = decode(make_drafter(draft, max_width=1), DsbdVerifier(greedy=True), target, PROMPT, 8)
+    assert sum(per_round) > len(per_round)  # drafts were accepted: the comparison has teeth
+    with torch.inference_mode():
+        reference = target.generate(torch.tensor([PROMPT]), max_new_tokens=len(ours), do_sample=False)
+    assert ours == reference[0, len(PROMPT):].tolist()
+
+
+def test_draft_equal_to_target_accepts_every_depth(tiny_model: str) -> None:
+    """Draft = target: every pair passes at full width, greedy (beam search) and sampled alike."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    for greedy, temperature in [(True, 0.0), (False, 1.0)]:
+        drafter = make_drafter(tiny_model, max_width=3, width_threshold=0.9)
+        _, per_round = decode(drafter, DsbdVerifier(greedy=greedy), target, PROMPT, 3, temperature)
+        assert per_round == [4, 4, 4]
+
+
+# ---------------------------------------------------------------- drafter
+def test_drafter_forests_are_valid(models: tuple[str, torch.nn.Module]) -> None:
+    draft, _ = models
+    drafter = make_drafter(draft, max_width=4, top_k=20, num_speculative_tokens=4, max_nodes=14)
+    request = DraftRequest("f", np.asarray(PROMPT), drafter.options, temperature=0.8)
+    forest = drafter.propose([request])[0]
+    assert isinstance(forest, BeamForest)
+    assert forest.num_nodes == 14 and forest.max_depth == 4
+    assert np.bincount(forest.depths).tolist() == [0, 4, 4, 4, 2]
+    np.testing.assert_allclose(forest.draft_probs.sum(axis=1), 1, atol=1e-5)
+    assert (forest.draft_probs[np.arange(14), forest.tokens] > 0).all()
+    assert ((forest.draft_probs > 0).sum(axis=1) <= 20).all()
+    inner = np.flatnonzero(forest.parents >= 0)
+    np.testing.assert_array_equal(forest.draft_probs[inner], forest.next_probs[forest.parents[inner]])
+    cut = forest.truncate(6)
+    assert isinstance(cut, BeamForest) and cut.next_probs.shape[0] == 6
+    greedy = drafter.propose([DraftRequest("g", np.asarray(PROMPT), drafter.options, temperature=0.0)])[0]
+    assert greedy.draft_probs is None and greedy.num_nodes == 14
+    for depth in range(1, 5):  # beam search: distinct pairs per depth
+        level = np.flatnonzero(greedy.depths == depth)
+        assert len(set(zip(greedy.parents[level], greedy.tokens[level]))) == level.size
+    assert drafter.runtime.live_requests == 2
+    drafter.remove_requests(["f", "g"])
+    assert drafter.runtime.live_requests == 0
+
+
+def test_sampling_probs_top_p_keeps_the_smallest_sufficient_prefix() -> None:
+    probs = sampling_probs(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), 1.0, 0, 0.7)
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
