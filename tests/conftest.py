@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 
-# Before vLLM is imported anywhere: size the CPU KV cache, use both cores,
-# and allow collective_rpc with test functions (to read the runner's counters).
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Before vLLM is imported anywhere: use both cores, and allow collective_rpc
+# with test functions (to read the runner's counters). The KV cache is sized
+# per engine (kv_cache_memory_bytes), so VLLM_CPU_KVCACHE_SPACE, which would
+# override it, must not be set.
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -24,6 +26,7 @@ import pytest
 from tiny_model import VOCAB_WORDS, build_tiny_model, prompt_text
 
 MAX_MODEL_LEN = 1024
+KV_CACHE_BYTES = 1 << 30
 
 
 @pytest.fixture(scope="session")
@@ -64,15 +67,15 @@ class Engines:
 
         key = json.dumps([speculative_config, kwargs], sort_keys=True)
         if key not in self._engines:
-            self._engines[key] = LLM(
-                model=self.model,
-                dtype="float32",
-                max_model_len=MAX_MODEL_LEN,
-                seed=0,
-                speculative_config=speculative_config,
-                disable_log_stats=False,
+            settings = {
+                "dtype": "float32",
+                "max_model_len": MAX_MODEL_LEN,
+                "seed": 0,
+                "kv_cache_memory_bytes": KV_CACHE_BYTES,
+                "disable_log_stats": False,
                 **kwargs,
-            )
+            }
+            self._engines[key] = LLM(model=self.model, speculative_config=speculative_config, **settings)
         return self._engines[key]
 
     def close(self) -> None:

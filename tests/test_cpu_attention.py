@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_specbeam.attention import TreeStep, _split_kv, block_layout, move_kv, read_kv, tree_attention
+from vllm_specbeam.attention import TreeStep, _split_kv, block_layout, move_kv, tree_attention
 from vllm_specbeam.tree import ROOT, DraftTree
 
 HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 32, 32
@@ -31,6 +31,15 @@ def write(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
     key_cache, value_cache = _split_kv(cache)
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa,
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+
+def read_kv(layer, cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, num_keys), [R, heads, keys, head], read
+    through the learned layout the same way the plugin's gather does."""
+    step = TreeStep(torch.arange(block_table.shape[0]), torch.zeros(0), torch.zeros(0),
+                    torch.zeros(block_table.shape[0], 1, num_keys, dtype=torch.bool), torch.zeros(0), torch.zeros(0))
+    key_index, value_index = step.gather_index(layer, cache, block_table)
+    return cache.view(-1)[key_index], cache.view(-1)[value_index]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,9 +62,9 @@ def test_tree_attention_matches_dense_masked_attention():
     torch.manual_seed(0)
     dtype = torch.float32
     isa = isa_for(dtype)
-    tree = DraftTree(tokens=[0] * 5, parents=[ROOT, ROOT, 0, 0, 2])
-    contexts = [40, 7]  # the first crosses a block boundary
-    trees = [tree, DraftTree.chain([0, 0])]
+    tree = DraftTree(tokens=[0] * 5, parents=[ROOT, ROOT, 0, 0, 2])  # rows 2..5 need the tree mask
+    contexts = [7, 40]  # the second crosses a block boundary
+    trees = [DraftTree.chain([0, 0, 0]), tree]  # the chain is left to the stock kernel
     cache = torch.zeros(8, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype)
     block_table = torch.tensor([[5, 2, 6], [0, 7, 4]])
     rows = [c + t.num_nodes + 1 for c, t in zip(contexts, trees)]
@@ -67,14 +76,16 @@ def test_tree_attention_matches_dense_masked_attention():
     num_tokens = sum(t.num_nodes + 1 for t in trees) + 3  # three rows of another request stay untouched
     query = torch.randn(num_tokens, HEADS, HEAD)
     output = torch.full((num_tokens, HEADS * HEAD), 7.0)
-    first_rows = [3, 3 + tree.num_nodes + 1]
+    first_rows = [3, 3 + trees[0].num_nodes + 1]
     step = TreeStep.build([0, 1], first_rows, contexts, trees)
+    assert step.req_indices.tolist() == [1]
+    assert step.query_rows[step.row_valid].tolist() == [first_rows[1] + i for i in (2, 3, 4, 5)]
     impl = SimpleNamespace(scale=1 / math.sqrt(HEAD), num_heads=HEADS, head_size=HEAD)
     tree_attention(impl, SimpleNamespace(isa=isa), query, cache, block_table, output, step)
 
-    assert (output[:3] == 7.0).all()
+    assert (output[:3] == 7.0).all() and (output[first_rows[0]:first_rows[1] + 2] == 7.0).all()
     for r, (ctx, t, first) in enumerate(zip(contexts, trees, first_rows)):
-        for i in range(t.num_nodes + 1):
+        for i in range(2 if r == 1 else 99, t.num_nodes + 1):
             visible = list(range(ctx)) + [ctx + j for j in range(t.num_nodes + 1) if t.ancestor_mask[i, j]]
             k = keys[r][visible].repeat_interleave(HEADS // KV_HEADS, dim=1)  # [keys, H, D]
             v = values[r][visible].repeat_interleave(HEADS // KV_HEADS, dim=1)

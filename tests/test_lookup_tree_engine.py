@@ -23,6 +23,10 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def metric(llm, name: str) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == name)
+
+
 def runner_stats(llm) -> dict[str, int]:
     return llm.collective_rpc(_read_stats)[0]
 
@@ -59,9 +63,12 @@ def test_batched_greedy_equals_no_speculation(engines, prompts, reference):
 
 
 def test_one_at_a_time_greedy_equals_no_speculation(engines, prompts, reference):
+    """Also with prefix caching at work: these prompts were run before."""
     llm = engines.get(LOOKUP)
+    hits = metric(llm, "vllm:prefix_cache_hits")
     for prompt, expected in zip(prompts, reference):
         assert token_ids(llm.generate([prompt], greedy(), use_tqdm=False)) == [expected]
+    assert metric(llm, "vllm:prefix_cache_hits") > hits
 
 
 def test_kv_move_is_needed(engines, prompts, reference):

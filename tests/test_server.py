@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from conftest import MAX_MODEL_LEN, make_prompts
+from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, make_prompts
 from test_lookup_tree_engine import LOOKUP, MAX_TOKENS, greedy
 
 STARTUP_SECONDS = 300
@@ -37,7 +37,7 @@ def server(tiny_model, tmp_path_factory):
     command = [
         sys.executable, "-m", "vllm_specbeam.cli", "serve", tiny_model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
+        "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
         "--speculative-config", json.dumps(LOOKUP),
     ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())

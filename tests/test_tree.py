@@ -60,8 +60,14 @@ def test_from_weighted_paths_takes_heaviest_nodes_best_first():
     tree = DraftTree.from_weighted_paths(paths, [1, 1, 1, 1], max_nodes=4)
     # "1" is shared by three paths, then "1 2" by two; the rest weigh one each
     # and are taken in the order they were first seen ("7", then "7 8").
+    # Laid out depth-first, heaviest first: 1, 1 2, then 7, 7 8.
     assert tree.tokens.tolist() == [1, 2, 7, 8]
     assert tree.parents.tolist() == [ROOT, 0, ROOT, 2]
+    deeper = DraftTree.from_weighted_paths(paths, [1, 1, 1, 1], max_nodes=6)
+    # kept: 1, 1 2, then (ties, first seen first) 7, 7 8, 1 2 3, 1 2 4; the
+    # heaviest branch 1 2 3 is consecutive rows, 1 2 4 hangs off it, 7 8 last
+    assert deeper.tokens.tolist() == [1, 2, 3, 4, 7, 8]
+    assert deeper.parents.tolist() == [ROOT, 0, 1, 1, ROOT, 4]
 
 
 def test_greedy_path_follows_argmax_through_non_first_branch():
@@ -86,15 +92,21 @@ def test_greedy_verifier_batches_requests_and_adds_target_token():
 
 
 def test_tree_step_positions_are_context_plus_depth():
-    step = TreeStep.build(req_indices=[2, 0], first_rows=[5, 40], context_lens=[100, 7], trees=[TREE, DraftTree.chain([1])])
-    assert step.node_rows.tolist() == [6, 7, 8, 9, 10, 11, 41]
-    assert step.node_positions.tolist() == [101, 101, 102, 102, 102, 103, 8]
-    # request 0: all 100 context keys, then the tree's own rows by ancestry
-    assert step.key_mask[0, 3, :100].all()
-    assert step.key_mask[0, 3, 100:107].tolist() == TREE.ancestor_mask[3].tolist()
-    # request 1: a chain of one node behind 7 context tokens; padding sees nothing
-    assert step.key_mask[1, 1, :9].tolist() == [True] * 9
-    assert not step.key_mask[1, 2:].any() and not step.row_valid[1, 2:].any()
+    chain = DraftTree.chain([1, 2])
+    step = TreeStep.build(req_indices=[2, 0], first_rows=[5, 40], context_lens=[100, 7], trees=[TREE, chain])
+    assert step.node_rows.tolist() == [6, 7, 8, 9, 10, 11, 41, 42]
+    assert step.node_positions.tolist() == [101, 101, 102, 102, 102, 103, 8, 9]
+
+
+def test_tree_step_recomputes_only_rows_the_causal_kernel_gets_wrong():
+    chain = DraftTree.chain([1, 2])
+    step = TreeStep.build(req_indices=[2, 0], first_rows=[5, 40], context_lens=[100, 7], trees=[TREE, chain])
+    # TREE rows 0 (root) and 1 (node a) see exactly the rows before them; the chain is all causal.
+    assert step.req_indices.tolist() == [2]
+    assert step.query_rows[0][step.row_valid[0]].tolist() == [5 + r for r in (2, 3, 4, 5, 6)]
+    assert step.key_mask[0, 0, :100].all()  # row 2 (node b): whole context...
+    assert step.key_mask[0, 0, 100:107].tolist() == TREE.ancestor_mask[2].tolist()  # ...then root and itself
+    assert not TreeStep.build([0], [0], [10], [chain]).needs_attention
 
 
 def test_match_ends_finds_every_earlier_occurrence_of_longest_suffix():

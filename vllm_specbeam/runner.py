@@ -22,6 +22,7 @@ With no plugin method configured every override falls through to vLLM.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import numpy as np
@@ -128,8 +129,10 @@ class TreeRunnerMixin:
         self._proposed: dict[str, DraftTree] = {}
         self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
         self._tree_step: attention.TreeStep | None = None
+        self._step_drafts: tuple[list[str], list[list[int]]] | None = None
         #: running totals read by tests and benchmarks (``LLM.collective_rpc``)
-        self.tree_stats = {"trees": 0, "nodes": 0, "accepted": 0, "accepted_off_first_branch": 0, "kv_moves": 0}
+        self.tree_stats = {"trees": 0, "nodes": 0, "accepted": 0, "accepted_off_first_branch": 0, "kv_moves": 0,
+                           "draft_seconds": 0.0, "preempted": 0}
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -170,10 +173,16 @@ class TreeRunnerMixin:
 
     def _update_states(self, scheduler_output: Any) -> Any:
         if self.tree_config is not None:
-            gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+            finished = set(scheduler_output.finished_req_ids)
+            for req_id in finished:
+                self._proposed.pop(req_id, None)
+            # A preempted request's drafter state is rebuilt when it resumes;
+            # its last tree is kept: the scheduler may verify those drafts
+            # right after the resumed request's recomputed tokens.
+            preempted = set(scheduler_output.preempted_req_ids or ())
+            self.tree_stats["preempted"] += len(preempted)
+            gone = finished | preempted
             if gone:
-                for req_id in gone:
-                    self._proposed.pop(req_id, None)
                 self.tree_drafter.remove_requests(gone)
         return super()._update_states(scheduler_output)
 
@@ -183,22 +192,35 @@ class TreeRunnerMixin:
         if self.tree_config is None:
             return result
         self._verifying = []
+        context_lens = []
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             if not drafts:
                 continue
-            # The scheduler may cut the list short; a prefix of a topologically
-            # ordered tree is still a tree.
-            tree = self._proposed[req_id].truncate(len(drafts))
+            if min(drafts) < 0:
+                # vLLM 0.32.0 scheduler.py pads a (re)starting decode to the
+                # full draft length with -1 (to keep CUDA graphs uniform):
+                # rows to skip, nothing to verify.
+                tree = DraftTree.empty()
+            else:
+                # The scheduler may cut the list short; a prefix of a
+                # topologically ordered tree is still a tree.
+                tree = self._proposed[req_id].truncate(len(drafts))
+                if tree.tokens.tolist() != list(drafts):
+                    raise RuntimeError(f"vllm-specbeam: drafts scheduled for {req_id} are not the tree proposed for it")
             index = self.input_batch.req_id_to_index[req_id]
-            root_row = int(self.query_start_loc.np[index])
+            # The drafts are the last rows of the request; before the root may
+            # come prompt or recomputed tokens (a resumed request).
+            before_root = int(num_scheduled_tokens[index]) - 1 - len(drafts)
+            root_row = int(self.query_start_loc.np[index]) + before_root
             self._verifying.append((req_id, index, root_row, tree))
+            context_lens.append(int(self.input_batch.num_computed_tokens_cpu[index]) + before_root)
         if not self._verifying:
             self._tree_step = None
             return result
         step = attention.TreeStep.build(
             [index for _, index, _, _ in self._verifying],
             [row for _, _, row, _ in self._verifying],
-            [int(self.input_batch.num_computed_tokens_cpu[index]) for _, index, _, _ in self._verifying],
+            context_lens,
             [tree for *_, tree in self._verifying],
         )
         # Slots were computed from the linear positions above and stay linear;
@@ -252,7 +274,7 @@ class TreeRunnerMixin:
             slots = self.input_batch.block_table[0].slot_mapping.cpu
             src = slots[torch.from_numpy(np.concatenate(src_rows))].to(torch.int64)
             attention.move_kv(self._kv_layers, src, slots[torch.from_numpy(np.concatenate(dst_rows))].to(torch.int64))
-            self.tree_stats["kv_moves"] += src.numel()
+            self.tree_stats["kv_moves"] += int(src.numel())
         self._verifying = []
         self._tree_step = None
         output = output.to(logits.device)
@@ -298,14 +320,32 @@ class TreeRunnerMixin:
         return results
 
     def _count(self, tree: DraftTree, path: np.ndarray) -> None:
+        if tree.num_nodes == 0:  # vLLM's padding rows, not a draft
+            return
         stats = self.tree_stats
         stats["trees"] += 1
         stats["nodes"] += tree.num_nodes
-        stats["accepted"] += path.size
+        stats["accepted"] += int(path.size)
         first_children = {int(p): int(np.argmax(tree.parents == p)) for p in tree.parents[path]}
-        stats["accepted_off_first_branch"] += sum(first_children[int(tree.parents[n])] != n for n in path)
+        stats["accepted_off_first_branch"] += sum(first_children[int(tree.parents[n])] != int(n) for n in path)
 
     # -------------------------------------------------------------- draft
+    def take_draft_token_ids(self) -> Any:
+        """Hand the scheduler this step's trees, and nothing else.
+
+        vLLM 0.32.0 gpu_model_runner.py ``take_draft_token_ids`` reads a
+        buffer that, on steps where the drafter is skipped (e.g. no request
+        was verifying), holds stale or placeholder ids; the scheduler would
+        then schedule drafts no tree describes. Here a step without proposals
+        gives no drafts.
+        """
+        if self.tree_config is None:
+            return super().take_draft_token_ids()
+        from vllm.v1.outputs import DraftTokenIds
+
+        drafts, self._step_drafts = self._step_drafts, None
+        return None if drafts is None else DraftTokenIds(*drafts)
+
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
         if self.tree_config is None:
             return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
@@ -328,11 +368,15 @@ class TreeRunnerMixin:
             positions.append(index)
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         max_len = self.vllm_config.model_config.max_model_len
-        for index, request, tree in zip(positions, requests, self.tree_drafter.propose(requests)):
+        start = time.perf_counter()
+        trees = self.tree_drafter.propose(requests)
+        self.tree_stats["draft_seconds"] += time.perf_counter() - start
+        for index, request, tree in zip(positions, requests, trees):
             # Every node needs a KV slot below max_model_len.
             tree = tree.truncate(max(0, min(tree.num_nodes, max_len - request.token_ids.size - 1)))
             self._proposed[request.req_id] = tree
             drafts[index] = tree.tokens.tolist()
+        self._step_drafts = (list(batch.req_ids), drafts)
         return drafts
 
 

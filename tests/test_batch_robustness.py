@@ -1,0 +1,58 @@
+"""Trees in real batches: chunked prefill next to tree decodes, preemption
+under KV-cache pressure, and aborted requests (prefix-cache hits are checked
+in ``test_lookup_tree_engine.py``).
+
+One engine with a small KV cache (six 128-token blocks for ten requests of
+up to 400 tokens) and a 64-token step budget, so long prompts are
+prefilled in chunks beside other requests' tree steps and requests get
+preempted and resumed. ``aded`` keeps per-request drafter state, which must be
+freed whatever way a request leaves.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_prompts
+from test_lookup_tree_engine import greedy, runner_stats, token_ids
+
+ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40}
+TIGHT = {"kv_cache_memory_bytes": 6 * 128 * 1024, "max_model_len": 512, "max_num_batched_tokens": 64,
+         "enable_prefix_caching": True}
+MAX_TOKENS = 96
+
+
+def _live_state(worker) -> dict[str, int]:
+    runner = worker.model_runner
+    return {"proposed": len(runner._proposed), "drafter": len(runner.tree_drafter._requests)}
+
+
+@pytest.fixture(scope="module")
+def tight(engines):
+    return engines.get(ADED, **TIGHT)
+
+
+def test_preemption_and_chunked_prefill_keep_greedy_exact(engines, tight):
+    prompts = make_prompts(10)
+    reference = token_ids(engines.get(None).generate(prompts, greedy(MAX_TOKENS)))
+    before = runner_stats(tight)
+    assert token_ids(tight.generate(prompts, greedy(MAX_TOKENS))) == reference
+    assert runner_stats(tight)["preempted"] > before["preempted"]
+    assert runner_stats(tight)["accepted"] > before["accepted"]
+    assert tight.collective_rpc(_live_state)[0] == {"proposed": 0, "drafter": 0}
+
+
+def test_aborted_requests_free_drafter_state(tight):
+    engine = tight.llm_engine
+    prompts = make_prompts(6)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"abort-{i}", prompt, greedy(max_tokens=100))
+    for _ in range(12):
+        engine.step()
+    assert tight.collective_rpc(_live_state)[0]["drafter"] > 0
+    engine.abort_request([f"abort-{i}" for i in range(0, 6, 2)])
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id for out in engine.step() if out.finished}
+    assert finished == {f"abort-{i}" for i in range(1, 6, 2)}
+    engine.step()  # one more step delivers the last finished ids to the worker
+    assert tight.collective_rpc(_live_state)[0] == {"proposed": 0, "drafter": 0}

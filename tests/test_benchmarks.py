@@ -1,0 +1,217 @@
+"""The benchmarks: metric definitions, scoring, JSON schema, method discovery,
+and one end-to-end run of the offline comparison on the tiny model.
+
+The metric tests pin the definitions the reports rely on (a wrong
+denominator would silently inflate every speedup claim); the smoke test
+checks that a real run produces a JSON, table and PNG that agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import compare  # noqa: E402
+import metrics  # noqa: E402
+from prompts import load_prompts  # noqa: E402
+
+
+# ---------------------------------------------------------------- metrics
+def test_spec_figures_from_counters():
+    # 100 output tokens, 60 of them accepted drafts: 40 target steps (the
+    # prefill included), 1.5 accepted per step, 0.4 steps per token.
+    figures = metrics.spec_figures(output_tokens=100, accepted=60, draft_tokens=120)
+    assert figures.accepted_per_step == pytest.approx(1.5)
+    assert figures.acceptance_rate == pytest.approx(0.5)
+    assert figures.steps_per_output_token == pytest.approx(0.4)
+    plain = metrics.spec_figures(output_tokens=50, accepted=0, draft_tokens=0)
+    assert (plain.accepted_per_step, plain.acceptance_rate, plain.steps_per_output_token) == (0.0, None, 1.0)
+    assert metrics.spec_figures(50, None, None) == metrics.SpecFigures(None, None, None)
+
+
+def test_counter_delta_handles_lists_and_late_counters():
+    before = {"accepted": 5, "accepted_per_pos": [3, 2]}
+    after = {"accepted": 9, "accepted_per_pos": [5, 3, 1], "drafts": 4}
+    assert metrics.counter_delta(before, after) == {"accepted": 4, "accepted_per_pos": [2, 1, 1], "drafts": 4}
+
+
+def test_continuation_logprobs_and_mean():
+    # Token ids [7, 8, 9, 10], prompt = first two tokens: only 9 and 10 are scored.
+    table = [None, {8: -0.1, 1: -3.0}, {9: -0.5}, {10: -1.5, 9: -0.2}]
+    scored = metrics.continuation_logprobs(table, [7, 8, 9, 10], start=2)
+    assert scored == [-0.5, -1.5]
+    assert metrics.mean_loglik_per_token([scored, [-2.0]]) == pytest.approx(-4.0 / 3)  # token-weighted
+    assert metrics.mean_loglik_per_token([]) is None
+    with pytest.raises(ValueError, match="no log-probability"):
+        metrics.continuation_logprobs([None, {1: -1.0}], [0, 2], start=1)
+    with pytest.raises(ValueError, match="start must be"):
+        metrics.continuation_logprobs(table, [7, 8, 9, 10], start=0)
+
+
+def test_exact_match_percentile_ratio_truncation():
+    assert metrics.exact_match([[1, 2], [3]], [[1, 2], [4]]) == 0.5
+    assert metrics.percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
+    assert metrics.percentile([1, None, 11], 90) == pytest.approx(10.0)
+    assert metrics.ratio(3.0, 2.0) == 1.5 and metrics.ratio(3.0, None) is None
+    assert metrics.truncate_completion("    return x\n\ndef other():\n    pass") == "    return x\n"
+
+
+def synthetic_runs() -> list[dict]:
+    def run(method: str, label: str, tps: float, speedup: float, batch: int = 1) -> dict:
+        return {
+            "method": method, "setting": {}, "setting_label": label, "batch_size": batch, "temperature": 0.0,
+            "engine": method, "tokens_per_s": tps, "tokens_per_s_runs": [tps], "speedup": speedup,
+            "output_tokens": 64, "requests": 2, "accepted_per_step": 0.5, "acceptance_rate": 0.4,
+            "steps_per_output_token": 0.7, "draft_time_share": None, "peak_rss_mib": 900.0,
+            "mean_loglik_per_token": -0.8, "exact_match": 1.0, "pass_rate": None, "counters": {}, "best": False,
+        }
+
+    return [run("none", "-", 10.0, 1.0), run("lookup_tree", "d3/n8", 12.0, 1.2),
+            run("lookup_tree", "d5/n16", 14.0, 1.4), run("none", "-", 30.0, 1.0, batch=8)]
+
+
+def synthetic_result(runs: list[dict]) -> dict:
+    return {
+        "schema_version": metrics.SCHEMA_VERSION,
+        "config": {"model": "m", "draft_model": None, "prompts": {}, "max_tokens": 64, "batch_sizes": [1, 8],
+                   "temperatures": [0.0], "repeats": 1, "seed": 0, "dtype": "float32", "sweep": "quick",
+                   "execute_code": False},
+        "environment": {"vllm": "0.32.0", "torch": "2.13.0", "vllm_specbeam": "0.1.0", "git_commit": None,
+                        "python": "3.11", "cpu_count": 2, "cpu_model": "x"},
+        "methods": {"none": {"status": "ok", "kind": "baseline"},
+                    "aded": {"status": "skipped", "kind": "plugin", "reason": "not available yet"}},
+        "engines": [{"id": "none", "method": "none", "status": "ok"}],
+        "runs": runs,
+        "artifacts": {},
+    }
+
+
+def test_schema_best_setting_and_table(tmp_path):
+    runs = synthetic_runs()
+    metrics.mark_best(runs)
+    assert [r["best"] for r in runs] == [True, False, True, True]
+    result = synthetic_result(runs)
+    metrics.validate_result(result)
+    table = metrics.offline_table(runs)
+    assert "| 1 | 0.0 | lookup_tree | d5/n16 | 14.0 | 1.40 |" in table and "d3/n8" not in table
+    metrics.plot_speedup_vs_quality(runs, tmp_path / "p.png", "t")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+    broken = json.loads(json.dumps(result))
+    del broken["runs"][0]["acceptance_rate"]
+    with pytest.raises(jsonschema.ValidationError):
+        metrics.validate_result(broken)
+    two_best = json.loads(json.dumps(result))
+    two_best["runs"][1]["best"] = True
+    with pytest.raises(jsonschema.ValidationError, match="exactly one best"):
+        metrics.validate_result(two_best)
+    bad_status = json.loads(json.dumps(result))
+    bad_status["methods"]["aded"]["status"] = "maybe"
+    with pytest.raises(jsonschema.ValidationError):
+        metrics.validate_result(bad_status)
+
+
+def test_humaneval_pass_rate_runs_the_tests():
+    prompts = load_prompts("humaneval", 2)
+    runs = [{"texts": [p.problem["canonical_solution"] + "\ndef extra():\n    pass" for p in prompts]},
+            {"texts": ["    return None\n"] * 2}]
+    compare.pass_rates(prompts, runs, timeout=10.0)
+    assert [run["pass_rate"] for run in runs] == [1.0, 0.0]
+
+
+# ---------------------------------------------------------- prompts, plan
+def test_prompt_sets(tmp_path):
+    humaneval = load_prompts("humaneval", 3)
+    assert [p.id for p in humaneval] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert humaneval[0].problem["entry_point"] and "def " in humaneval[0].text
+    assert len(load_prompts("natural")) == 16
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "id": "x"}\n')
+    assert [(p.id, p.text) for p in load_prompts(str(path))] == [("mine/0", "a"), ("x", "b")]
+    path.write_text('{"text": "a"}\n')
+    with pytest.raises(SystemExit, match="no string 'prompt'"):
+        load_prompts(str(path))
+
+
+def plan_args(**kwargs) -> argparse.Namespace:
+    defaults = {"methods": ["all"], "draft": None, "draft_path": None, "sweep": "quick"}
+    return argparse.Namespace(**{**defaults, **kwargs})
+
+
+def test_plan_follows_plugin_methods(monkeypatch):
+    """Every plugin method with a drafter is benchmarked, the others are
+    reported as skipped; a beam method brings vLLM's beam search along."""
+    from vllm_specbeam.config import METHODS, Method
+
+    status, engines = compare.plan(plan_args())
+    for name, method in METHODS.items():
+        if method.drafter is None:
+            assert status[name].status == "skipped" and "not available" in status[name].reason
+        elif not method.needs_draft_model:
+            assert status[name].status == "ok" and name in [e.id for e in engines]
+    assert status["draft_model"].status == "skipped" and status["beam_search"].status == "skipped"
+    assert engines[-1].method == "none"  # last: it scores every output
+    lookup = next(e for e in engines if e.id == "lookup_tree")
+    # One engine at the grid's maximum; the sweep is per-request options.
+    assert lookup.speculative_config["max_nodes"] == max(n for _, n in compare.TREE_GRID["quick"])
+    assert [s.extra_args for s in lookup.settings] == [
+        {"num_speculative_tokens": d, "max_nodes": n} for d, n in compare.TREE_GRID["quick"]]
+
+    fake = dict(METHODS, dsbd=Method(METHODS["lookup_tree"].drafter, needs_draft_model=True))
+    monkeypatch.setattr(compare, "plugin_methods", lambda: fake)
+    status, engines = compare.plan(plan_args(draft="d", draft_path="/d"))
+    ids = [e.id for e in engines]
+    assert "dsbd" in ids and "beam_search" in ids and "draft_model-k3" in ids
+    assert next(e for e in engines if e.id == "dsbd").speculative_config["model"] == "/d"
+    assert next(e for e in engines if e.id == "beam_search").block_size == 32
+    with pytest.raises(SystemExit, match="unknown method"):
+        compare.plan(plan_args(methods=["nope"]))
+
+
+# ------------------------------------------------------------ end to end
+def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
+    """none + lookup_tree on the tiny model: two engine processes, greedy,
+    batch sizes 1 and 2; the JSON, table and plot agree with each other."""
+    from conftest import make_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"tiny/{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(make_prompts(4)[1:])))
+    out = tmp_path / "out"
+    command = [sys.executable, str(BENCH / "compare.py"), "--model", tiny_model, "--prompts", str(prompts),
+               "--max-tokens", "24", "--batch-sizes", "1", "2", "--temperatures", "0", "--repeats", "1",
+               "--methods", "none", "lookup_tree", "--sweep", "none", "--max-model-len", "512", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    result = json.loads((out / "result.json").read_text())
+    metrics.validate_result(result)
+    assert result["methods"]["lookup_tree"]["status"] == "ok"
+    assert {e["id"]: e["status"] for e in result["engines"]} == {"lookup_tree": "ok", "none": "ok"}
+    assert result["environment"]["vllm"].startswith("0.32")
+    runs = {(r["method"], r["batch_size"]): r for r in result["runs"]}
+    assert set(runs) == {(m, b) for m in ("none", "lookup_tree") for b in (1, 2)}
+    for batch in (1, 2):
+        base, tree = runs[("none", batch)], runs[("lookup_tree", batch)]
+        assert base["speedup"] == 1.0 and base["steps_per_output_token"] == 1.0
+        assert tree["speedup"] == pytest.approx(tree["tokens_per_s"] / base["tokens_per_s"])
+        # Lossless greedy: identical tokens, hence an identical score.
+        assert tree["exact_match"] == 1.0
+        assert tree["mean_loglik_per_token"] == pytest.approx(base["mean_loglik_per_token"], abs=1e-4)
+        assert math.isfinite(base["mean_loglik_per_token"]) and base["mean_loglik_per_token"] < 0
+        assert tree["counters"]["accepted"] == tree["counters"]["tree_accepted"] > 0
+        assert tree["accepted_per_step"] > 0 and tree["steps_per_output_token"] < 1
+        assert tree["output_tokens"] == 3 * 24 and tree["peak_rss_mib"] > 100
+    table = (out / "table.md").read_text()
+    assert table == metrics.offline_table(result["runs"]) and "lookup_tree" in table
+    assert (out / "speedup_vs_quality.png").read_bytes()[:4] == b"\x89PNG"
