@@ -15,6 +15,10 @@ this file is the list of what the plugin touches. Each patch names the vLLM
    CPU, ``Worker._make_model_runner`` on GPU): replaced by a subclass that
    verifies trees (:mod:`vllm_specbeam.runner`). Done in every process; the
    subclass only changes behaviour when a plugin method is configured.
+
+The runner in turn wraps ``CPUAttentionBackendImpl.forward``
+(v1/attention/backends/cpu_attn.py, see :mod:`vllm_specbeam.attention`) and
+overrides a handful of runner methods, each naming its 0.32.0 source.
 """
 
 from __future__ import annotations

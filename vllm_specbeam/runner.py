@@ -362,7 +362,6 @@ class TreeRunnerMixin:
                     token_ids=batch.token_ids_cpu[index, :num_tokens],
                     options=self.tree_config.with_overrides(params.extra_args),
                     temperature=params.temperature,
-                    new_token_ids=list(sampled_token_ids[index]),
                 )
             )
             positions.append(index)

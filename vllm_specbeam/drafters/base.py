@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,6 @@ class DraftRequest:
     options: Mapping[str, Any]
     #: temperature of the request (0 = greedy)
     temperature: float = 0.0
-    #: tokens committed at the last step (the accepted path plus the bonus token)
-    new_token_ids: list[int] = field(default_factory=list)
 
 
 class TreeDrafter(ABC):
