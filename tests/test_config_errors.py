@@ -58,9 +58,8 @@ def test_draft_model_problems(tiny_model, tiny_draft, tmp_path):
 
 
 def test_unknown_method_lists_vllm_and_plugin_methods(tiny_model):
-    # Unknown names go to vLLM's own validator, which lists its methods; the
-    # plugin's are recognised before that and never reach it.
-    with pytest.raises(Exception, match="ngram"):
+    with pytest.raises(SpecbeamConfigError, match=r"unknown speculative method 'lookup_trees'; "
+                                                  r"vLLM's methods: \[.*'ngram'.*\]; vllm-specbeam's: \[.*'lookup_tree'"):
         engine_config(tiny_model, {"method": "lookup_trees", "num_speculative_tokens": 2})
 
 

@@ -78,6 +78,7 @@ def _patch_speculative_config(engine_args_cls: type, version_problem: str | None
                 "not --spec-method"
             )
         if not is_plugin_method(spec):
+            check_known_method(spec)
             return stock(self, *args, **kwargs)
         if version_problem:
             raise SpecbeamConfigError(version_problem)
@@ -90,6 +91,30 @@ def _patch_speculative_config(engine_args_cls: type, version_problem: str | None
             self.speculative_config = spec  # the user's object stays as they wrote it
 
     engine_args_cls.create_speculative_config = create_speculative_config
+
+
+def check_known_method(spec: dict | None) -> None:
+    """Name both vLLM's and the plugin's methods when a method is unknown
+    (vLLM's own validator would list only its own)."""
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    from vllm_specbeam.config import METHODS
+
+    method = (spec or {}).get("method")
+    if method is None:
+        return
+
+    def names(literal: Any) -> list[str]:
+        args = get_args(literal)
+        return [n for a in args for n in (names(a) if get_args(a) else [a])]
+
+    if method not in names(SpeculativeMethod):
+        raise SpecbeamConfigError(
+            f"unknown speculative method {method!r}; vLLM's methods: {sorted(names(SpeculativeMethod))}; "
+            f"vllm-specbeam's: {sorted(METHODS)}"
+        )
 
 
 def _patch_runner_classes() -> None:
