@@ -1,6 +1,6 @@
 """The OpenAI-compatible server started with ``vllm-specbeam serve``.
 
-Greedy completions with ``lookup_tree`` equal ``LLM(...)`` without
+Greedy completions with ``lookup_tree`` and ``aded`` equal ``LLM(...)`` without
 speculation, sent concurrently so the server batches them; the spec-decode
 counters are on ``/metrics``; a bad per-request option (``vllm_xargs``) fails
 that request with HTTP 400 and the server keeps serving.
@@ -20,6 +20,7 @@ import pytest
 import requests
 from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, make_prompts
 from test_lookup_tree_engine import LOOKUP, MAX_TOKENS, greedy
+from test_sampling_engine import ADED
 
 STARTUP_SECONDS = 300
 
@@ -30,15 +31,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=[LOOKUP, ADED], ids=lambda spec: spec["method"])
+def server(request, tiny_model, tmp_path_factory):
     port = free_port()
     log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
     command = [
         sys.executable, "-m", "vllm_specbeam.cli", "serve", tiny_model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        "--speculative-config", json.dumps(LOOKUP),
+        "--speculative-config", json.dumps(request.param),
     ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
