@@ -63,6 +63,8 @@ def test_tree_sampling_matches_target_distribution(engines, prompt, spec, temper
     ours = sample_pairs(llm, prompt, temperature, top_p)
     after = runner_stats(llm)
     assert after["trees"] > before["trees"] and after["accepted"] > before["accepted"]
+    if spec is LOOKUP:  # few matches often make a single chain: block verification has run too
+        assert after["block_verified"] > 0
     reference = sample_pairs(engines.get(None), prompt, temperature, top_p)
     assert len(reference) > 1, "the target is deterministic here: the test would prove nothing"
     assert chi_square_homogeneity(ours, reference) > ALPHA

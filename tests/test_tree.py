@@ -43,6 +43,11 @@ def test_invalid_trees_are_refused():
         DraftTree(tokens=[1, 2], parents=[ROOT])
 
 
+def test_is_chain():
+    assert DraftTree.chain([4, 5, 6]).is_chain
+    assert not TREE.is_chain and not DraftTree.empty().is_chain
+
+
 def test_truncate_keeps_a_tree():
     small = TREE.truncate(4)
     assert small.tokens.tolist() == [10, 11, 12, 13]

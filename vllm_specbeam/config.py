@@ -69,16 +69,19 @@ class Method:
     drafter: str | None  # "module:Class", None until the method lands
     needs_draft_model: bool = False
     issue: str = ""
-    #: acceptance rules ("module:Class") for temperature 0 and for sampling
+    #: acceptance rules ("module:Class") for temperature 0, for sampling, and
+    #: for sampling when the draft is a single chain (None: the sampling rule)
     greedy_verifier: str = "vllm_specbeam.verifiers.greedy:GreedyTreeVerifier"
     sampling_verifier: str = "vllm_specbeam.verifiers.rejection:RejectionTreeVerifier"
+    chain_verifier: str | None = "vllm_specbeam.verifiers.block:BlockVerifier"
 
     def drafter_class(self) -> type:
         return _load(self.drafter)
 
-    def verifiers(self) -> tuple[Any, Any]:
-        """(greedy rule, sampling rule) instances."""
-        return _load(self.greedy_verifier)(), _load(self.sampling_verifier)()
+    def verifiers(self) -> tuple[Any, Any, Any]:
+        """(greedy, sampling, chain-sampling or None) rule instances."""
+        chain = None if self.chain_verifier is None else _load(self.chain_verifier)()
+        return _load(self.greedy_verifier)(), _load(self.sampling_verifier)(), chain
 
     def options(self) -> dict[str, Option]:
         return {**TREE_OPTIONS, **getattr(self.drafter_class(), "OPTIONS", {})}
@@ -103,6 +106,7 @@ METHODS: dict[str, Method] = {
         needs_draft_model=True,
         greedy_verifier="vllm_specbeam.verifiers.dsbd:DsbdGreedyVerifier",
         sampling_verifier="vllm_specbeam.verifiers.dsbd:DsbdVerifier",
+        chain_verifier=None,
     ),
     "mcsd": Method(None, needs_draft_model=True, issue="multi-candidate speculative decoding"),
     "mjsd": Method(None, needs_draft_model=True, issue="multi-token joint speculative decoding"),

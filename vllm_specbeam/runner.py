@@ -124,7 +124,7 @@ class TreeRunnerMixin:
                 "the GPU attention backend is not wired in this version"
             )
         attention.install_cpu_tree_attention()
-        self.greedy_verifier, self.sampling_verifier = METHODS[self.tree_config.method].verifiers()
+        self.greedy_verifier, self.sampling_verifier, self.chain_verifier = METHODS[self.tree_config.method].verifiers()
         self.move_accepted_kv = True  # switched off only by a test that proves the move matters
         self._proposed: dict[str, DraftTree] = {}
         self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
@@ -132,7 +132,7 @@ class TreeRunnerMixin:
         self._step_drafts: tuple[list[str], list[list[int]]] | None = None
         #: running totals read by tests and benchmarks (``LLM.collective_rpc``)
         self.tree_stats = {"trees": 0, "nodes": 0, "accepted": 0, "accepted_off_first_branch": 0, "kv_moves": 0,
-                           "draft_seconds": 0.0, "preempted": 0}
+                           "draft_seconds": 0.0, "preempted": 0, "block_verified": 0}
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -294,30 +294,39 @@ class TreeRunnerMixin:
 
         Greedy requests: exact argmax matching on the raw logits. Sampled
         requests: the method's lossless rule on the target's probabilities
-        after vLLM's own temperature / top-k / top-p processing.
+        after vLLM's own temperature / top-k / top-p processing; a sampled
+        request whose draft is a single chain gets block verification when the
+        method allows it (never fewer accepted tokens, same distribution).
         """
-        greedy = [self.requests[req_id].sampling_params.temperature < SAMPLING_EPS for req_id, *_ in self._verifying]
+        rules = [self._rule_for(req_id, tree) for req_id, _, _, tree in self._verifying]
         results: list[tuple[np.ndarray, list[int]] | None] = [None] * len(self._verifying)
-        for use_greedy in (True, False):
-            chosen = [k for k, g in enumerate(greedy) if g == use_greedy]
-            if not chosen:
-                continue
+        for rule in {id(r): r for r in rules}.values():
+            chosen = [k for k, r in enumerate(rules) if r is rule]
             indices = [self._verifying[k][1] for k in chosen]
             trees = [self._verifying[k][3] for k in chosen]
-            if use_greedy:
-                verdict = self.greedy_verifier.verify(trees, logits, first_logit[indices])
+            if rule is self.greedy_verifier:
+                verdict = rule.verify(trees, logits, first_logit[indices])
             else:
                 rows_per_request = np.array([tree.num_nodes + 1 for tree in trees])
                 rows = np.concatenate([first_logit[i] + np.arange(n) for i, n in zip(indices, rows_per_request)])
-                verdict = self.sampling_verifier.verify(
+                verdict = rule.verify(
                     trees,
                     target_probabilities(logits[torch.from_numpy(rows)], indices, rows_per_request, sampling_metadata),
                     np.concatenate([[0], np.cumsum(rows_per_request)[:-1]]),
                     [sampling_metadata.generators.get(index) for index in indices],
                 )
+            if rule is self.chain_verifier:
+                self.tree_stats["block_verified"] += len(chosen)
             for k, path, tokens in zip(chosen, verdict.accepted, verdict.tokens):
                 results[k] = (path, tokens)
         return results
+
+    def _rule_for(self, req_id: str, tree: DraftTree) -> Any:
+        if self.requests[req_id].sampling_params.temperature < SAMPLING_EPS:
+            return self.greedy_verifier
+        if self.chain_verifier is not None and tree.is_chain:
+            return self.chain_verifier
+        return self.sampling_verifier
 
     def _count(self, tree: DraftTree, path: np.ndarray) -> None:
         if tree.num_nodes == 0:  # vLLM's padding rows, not a draft

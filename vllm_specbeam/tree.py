@@ -144,6 +144,11 @@ class DraftTree:
         return depth
 
     @property
+    def is_chain(self) -> bool:
+        """Non-empty and a single branch."""
+        return self.num_nodes > 0 and bool(np.all(self.parents == np.arange(self.num_nodes) - 1))
+
+    @property
     def max_depth(self) -> int:
         return int(self.depths.max(initial=0))
 
