@@ -81,6 +81,28 @@ def test_per_request_overrides_are_checked():
         config.with_overrides({"num_speculative_tokens": 5})
 
 
+def test_start_up_checks_run_once_not_per_request(monkeypatch):
+    """Files and models are checked at start-up only: the runner applies a
+    request's overrides at every step, where loading a tri-gram matrix or a
+    tokenizer would cost more than the step itself."""
+    from vllm_specbeam.drafters.aded import AdedDrafter
+    from vllm_specbeam.drafters.dsbd import DsbdDrafter
+
+    calls = []
+    monkeypatch.setattr(AdedDrafter, "check_startup", staticmethod(lambda options: calls.append(options)))
+    config = parse({"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12})
+    assert len(calls) == 1
+    for _ in range(3):
+        config.with_overrides({"iterations": 10})
+    assert len(calls) == 1
+    monkeypatch.setattr(DsbdDrafter, "check_startup", staticmethod(lambda options: calls.append(options)))
+    config = parse({"method": "dsbd", "model": "/d", "max_width": 3})
+    assert len(calls) == 2
+    with pytest.raises(SpecbeamConfigError, match="min_width=4 exceeds max_width=3"):  # cheap checks still run
+        config.with_overrides({"min_width": 4})
+    assert len(calls) == 2
+
+
 def test_version_mismatch_is_reported(monkeypatch):
     import vllm
 

@@ -86,16 +86,19 @@ class Method:
     def options(self) -> dict[str, Option]:
         return {**TREE_OPTIONS, **getattr(self.drafter_class(), "OPTIONS", {})}
 
-    def check(self, options: dict[str, Any]) -> dict[str, Any]:
-        """Checks that involve several options at once."""
+    def check(self, options: dict[str, Any], startup: bool = False) -> dict[str, Any]:
+        """Checks that involve several options at once; with ``startup``, also
+        the drafter's checks of files and models (once per engine, never per
+        request: per-request overrides cannot change engine-wide options)."""
         if options["max_nodes"] < options["num_speculative_tokens"]:
             raise SpecbeamConfigError(
                 f"max_nodes={options['max_nodes']} cannot hold one branch of depth "
                 f"num_speculative_tokens={options['num_speculative_tokens']}; raise max_nodes or lower the depth"
             )
-        check = getattr(self.drafter_class(), "check_options", None)
-        if check is not None:
-            check(options)
+        drafter = self.drafter_class()
+        drafter.check_options(options)
+        if startup:
+            drafter.check_startup(options)
         return options
 
 
@@ -214,7 +217,7 @@ def parse(speculative_config: Mapping[str, Any], target_tokenizer: str | None = 
         options["tokenizer"] = target_tokenizer
     if "draft_model" in options and draft_model:
         options["draft_model"] = draft_model
-    return SpecbeamConfig(name, method.check(options), draft_model)
+    return SpecbeamConfig(name, method.check(options, startup=True), draft_model)
 
 
 def vllm_carrier(config: SpecbeamConfig) -> dict[str, Any]:

@@ -93,8 +93,8 @@ class AdedDrafter(TreeDrafter):
         self._requests: dict[str, _RequestState] = {}
 
     @staticmethod
-    def check_options(options: Mapping[str, Any]) -> None:
-        """At start-up: the matrix opens and was built with the target's tokenizer."""
+    def check_startup(options: Mapping[str, Any]) -> None:
+        """The matrix opens and was built with the target's tokenizer."""
         load_matrix(options)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:

@@ -42,6 +42,18 @@ class TreeDrafter(ABC):
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.options = dict(options)
 
+    @staticmethod
+    def check_options(options: Mapping[str, Any]) -> None:
+        """Raise ``SpecbeamConfigError`` for option values that do not go
+        together. Runs at start-up and for every request's overrides, so it
+        must be cheap."""
+
+    @staticmethod
+    def check_startup(options: Mapping[str, Any]) -> None:
+        """Raise ``SpecbeamConfigError`` when the engine-wide options name files
+        or models that cannot serve (missing, other vocabulary). Runs once, in
+        the front end, before the engine starts."""
+
     def load_model(self, target_model: Any) -> None:  # noqa: B027 - optional hook
         """Called once the target is loaded; drafters with a model load theirs here."""
 

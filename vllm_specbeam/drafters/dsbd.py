@@ -106,12 +106,14 @@ class DsbdDrafter(TreeDrafter):
 
     @staticmethod
     def check_options(options: Mapping[str, Any]) -> None:
-        """At start-up: widths are ordered, and the draft model's tokenizer
-        loads and tokenises exactly like the target's."""
         if options["min_width"] > options["max_width"]:
             raise SpecbeamConfigError(
                 f"dsbd: min_width={options['min_width']} exceeds max_width={options['max_width']}"
             )
+
+    @staticmethod
+    def check_startup(options: Mapping[str, Any]) -> None:
+        """The draft model's tokenizer loads and tokenises exactly like the target's."""
         if options["draft_model"] and options["tokenizer"]:
             check_draft_tokenizer(options["draft_model"], options["tokenizer"])
 
