@@ -21,12 +21,16 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from vllm_specbeam.tree import DraftTree
+
+if TYPE_CHECKING:
+    from vllm_specbeam.gpu_attention import GpuTreeStep
 
 
 @dataclass
@@ -62,8 +66,7 @@ class TreeStep:
     ) -> TreeStep:
         """``first_rows[r]`` is the token row of request r's root, whose
         position (= number of committed tokens before it) is ``context_lens[r]``."""
-        node_rows = np.concatenate([first + 1 + np.arange(t.num_nodes) for first, t in zip(first_rows, trees)])
-        node_positions = np.concatenate([c + t.depths for c, t in zip(context_lens, trees)])
+        node_rows, node_positions = node_layout(first_rows, context_lens, trees)
         fixes = [(i, first, ctx, tree, masked_rows(tree)) for i, first, ctx, tree in
                  zip(req_indices, first_rows, context_lens, trees)]
         fixes = [fix for fix in fixes if fix[-1].size]
@@ -82,8 +85,8 @@ class TreeStep:
             torch.from_numpy(query_rows),
             torch.from_numpy(row_valid),
             torch.from_numpy(key_mask),
-            torch.from_numpy(node_rows),
-            torch.from_numpy(node_positions),
+            node_rows,
+            node_positions,
         )
 
     def gather_index(self, layer: torch.nn.Module, kv_cache: torch.Tensor, block_table: torch.Tensor):
@@ -107,18 +110,29 @@ class TreeStep:
         return self._gather[key]
 
 
+def node_layout(
+    first_rows: Sequence[int], context_lens: Sequence[int], trees: Sequence[DraftTree]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows of all draft nodes and the positions they must have
+    (context length + depth); the same for the CPU and the CUDA step."""
+    node_rows = np.concatenate([first + 1 + np.arange(t.num_nodes) for first, t in zip(first_rows, trees)])
+    node_positions = np.concatenate([c + t.depths for c, t in zip(context_lens, trees)])
+    return torch.from_numpy(node_rows), torch.from_numpy(node_positions)
+
+
 def masked_rows(tree: DraftTree) -> np.ndarray:
     """Verification rows whose ancestors are not exactly all earlier rows."""
     mask = tree.ancestor_mask  # lower triangular: ancestors come first
     return np.flatnonzero((mask != np.tri(*mask.shape, dtype=bool)).any(axis=1))
 
 
-_ACTIVE: TreeStep | None = None
+_ACTIVE: TreeStep | GpuTreeStep | None = None
 
 
 @contextlib.contextmanager
-def tree_step(step: TreeStep | None) -> Iterator[None]:
-    """Make ``step`` visible to the attention layers during one forward pass."""
+def tree_step(step: TreeStep | GpuTreeStep | None) -> Iterator[None]:
+    """Make ``step`` visible to the attention layers during one forward pass
+    (the CPU wrapper here, or the CUDA backend in :mod:`.gpu_attention`)."""
     global _ACTIVE
     _ACTIVE = step
     try:

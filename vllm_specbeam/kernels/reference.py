@@ -76,11 +76,12 @@ def pack_ancestor_mask(mask: np.ndarray, num_words: int) -> np.ndarray:
     rows, cols = mask.shape
     if cols > num_words * BITS_PER_WORD:
         raise ValueError(f"{cols} columns need more than {num_words} words")
-    words = np.zeros((rows, num_words), dtype=np.uint64)
-    for col in range(cols):
-        bit = np.uint64(1) << np.uint64(col % BITS_PER_WORD)
-        words[mask[:, col], col // BITS_PER_WORD] |= bit
-    return words.view(np.int64)
+    padded = np.zeros((rows, num_words * BITS_PER_WORD), dtype=bool)
+    padded[:, :cols] = mask
+    # The runner packs every step's trees with this, so it is vectorised:
+    # column c is bit c % 8 of byte c // 8 ("little" bit order), and bytes
+    # make up words little-endian, so it is bit c % 64 of word c // 64.
+    return np.packbits(padded, axis=1, bitorder="little").view("<i8").astype(np.int64)
 
 
 def unpack_tree_mask(words: torch.Tensor, num_cols: int) -> torch.Tensor:

@@ -1,0 +1,406 @@
+"""The CUDA wiring, on CPU: the attention backend, the runner's step mask and
+KV move, and the start-up selection of the backend and cudagraph mode.
+
+The backend's impl runs here with CPU tensors under ``TRITON_INTERPRET=1``
+(set below before Triton is imported): the plugin's tree kernel, and vLLM's
+own Triton kernels (cache write and ``unified_attention``) for comparison.
+vLLM's CPU build swaps Triton for a placeholder; the ``vllm_triton`` fixture
+points vLLM's Triton backend module at the real kernels. Nothing here proves
+the kernels on a GPU (see docs/kernels.md, "What ran where").
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="Triton is not installed: the Triton kernels cannot be tested")
+
+from vllm.config import CUDAGraphMode  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.v1.attention.backends import triton_attn  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+from vllm_specbeam import attention, gpu_attention, plugin  # noqa: E402
+from vllm_specbeam.config import SpecbeamConfigError  # noqa: E402
+from vllm_specbeam.kernels import kv_move as km_mod  # noqa: E402
+from vllm_specbeam.kernels import tree_attention as ta_mod  # noqa: E402
+from vllm_specbeam.kernels.reference import (  # noqa: E402
+    allowed_keys,
+    build_tree_mask,
+    import_vllm_triton_module,
+    kv_move_ref,
+    split_kv_cache,
+    token_slots,
+    tree_attention_ref,
+)
+from vllm_specbeam.runner import TreeRunnerMixin  # noqa: E402
+from vllm_specbeam.tree import DraftTree  # noqa: E402
+
+FP16 = dict(atol=2e-3, rtol=2e-3)  # kernel vs fp32 reference, as in test_tree_attention.py
+NUM_KV_HEADS, GROUP, HEAD_SIZE, BLOCK_SIZE = 2, 4, 64, 16
+
+
+@pytest.fixture(autouse=True)
+def _kernels_must_run(monkeypatch):
+    """Fail instead of silently comparing the torch fallbacks with themselves."""
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("a kernel fell back to its torch reference")
+
+    monkeypatch.setattr(ta_mod, "tree_attention_ref", fallback)
+    monkeypatch.setattr(km_mod, "kv_move_ref", fallback)
+
+
+@pytest.fixture
+def vllm_triton(monkeypatch):
+    """vLLM's Triton backend module with its kernels on the real Triton."""
+    unified = import_vllm_triton_module("vllm.v1.attention.ops.triton_unified_attention")
+    cache_ops = import_vllm_triton_module("vllm.v1.attention.ops.triton_reshape_and_cache_flash")
+    monkeypatch.setattr(triton_attn, "unified_attention", unified.unified_attention)
+    monkeypatch.setattr(triton_attn, "triton_reshape_and_cache_flash", cache_ops.triton_reshape_and_cache_flash)
+    # The launchers ask CUDA for the SM version only to pick tile sizes.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0))
+
+
+# ------------------------------------------------------------------ a batch
+def tree(parents: list[int]) -> DraftTree:
+    return DraftTree(np.arange(100, 100 + len(parents)), np.asarray(parents, np.int64))
+
+
+#: (committed tokens, rows scheduled before the root, tree or None = plain rows)
+REQUESTS = [
+    (37, 0, tree([-1, 0, -1, 2, 1, -1, 5, 0, 3])),  # context crosses a page
+    (16, 1, None),  # plain decode, context ends on a page boundary
+    (5, 12, None),  # prefill chunk
+    (44, 0, tree([-1, 0, 1, 2, 3])),  # a chain: causal is already right
+    (20, 3, tree([-1, 0, 0, -1, 3, 1])),  # resumed: recomputed rows, then the root
+    (0, 0, tree([-1, -1, -1, 0])),  # a star with no context at all
+]
+#: the same batch shape with chains only: causal is right for every row
+CHAINS = [
+    (37, 0, tree([-1, 0, 1])),
+    (16, 1, None),
+    (5, 12, None),
+    (44, 0, tree([-1, 0, 1, 2, 3])),
+    (20, 3, tree([-1, 0])),
+    (0, 0, tree([-1])),
+]
+
+
+def scheduled_rows(before: int, draft: DraftTree | None) -> int:
+    return before if draft is None else before + draft.num_nodes + 1
+
+
+def expected_segment(before: int, draft: DraftTree | None) -> np.ndarray | int:
+    """Independent of the runner-side builder: the full ancestor mask (every
+    tree row, not only the ones causal gets wrong), rows before the root causal."""
+    if draft is None:
+        return before
+    rows = scheduled_rows(before, draft)
+    segment = np.zeros((rows, rows), dtype=bool)
+    segment[:before, :before] = np.tri(before, dtype=bool)
+    segment[before:, :before] = True
+    segment[before:, before:] = draft.ancestor_mask
+    return segment if before else draft
+
+
+def batch_layout(requests) -> tuple[list[int], list[int], list[int], list[int], list[DraftTree]]:
+    """query lens, and for the requests with trees: first row, root row, root position, tree."""
+    query_lens = [scheduled_rows(before, draft) for _, before, draft in requests]
+    starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).tolist()
+    with_tree = [(start, ctx, before, draft) for start, (ctx, before, draft) in zip(starts, requests) if draft]
+    return (
+        query_lens,
+        [start for start, *_ in with_tree],
+        [start + before for start, _, before, _ in with_tree],
+        [ctx + before for _, ctx, before, _ in with_tree],
+        [draft for *_, draft in with_tree],
+    )
+
+
+def make_step(requests) -> gpu_attention.GpuTreeStep:
+    query_lens, starts, roots, root_positions, trees = batch_layout(requests)
+    return gpu_attention.GpuTreeStep.build(starts, roots, root_positions, trees, sum(query_lens), torch.device("cpu"))
+
+
+def make_impl(cls: type) -> triton_attn.TritonAttentionImpl:
+    return cls(
+        num_heads=NUM_KV_HEADS * GROUP, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5, num_kv_heads=NUM_KV_HEADS,
+        alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
+    )  # fmt: skip
+
+
+def make_batch(requests, seed: int = 0) -> SimpleNamespace:
+    """Queries, a paged cache whose context is random and whose step rows are
+    written by the backend's own (vLLM's) ``do_kv_cache_update``, and
+    hand-built ``TritonAttentionMetadata``."""
+    gen = torch.Generator().manual_seed(seed)
+    query_lens, *_ = batch_layout(requests)
+    seq_lens = [ctx + n for (ctx, _, _), n in zip(requests, query_lens)]
+    pages = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(pages) + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(len(requests), max(pages) + 1, dtype=torch.int32)
+    for r, offset in enumerate(np.cumsum([0, *pages[:-1]])):
+        block_table[r, : pages[r]] = perm[offset : offset + pages[r]].int()
+    # vLLM's default layout LBNHC: [block, slot, head, content] in memory.
+    kv_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=gen).half().transpose(1, 2)
+    num_tokens = sum(query_lens)
+    positions = torch.cat([ctx + torch.arange(n) for (ctx, _, _), n in zip(requests, query_lens)])
+    request_of_row = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(query_lens))
+    slot_mapping = torch.stack([token_slots(block_table[r], p[None], BLOCK_SIZE)[0]
+                                for r, p in zip(request_of_row, positions)])  # fmt: skip
+    num_heads = NUM_KV_HEADS * GROUP
+    metadata = triton_attn.TritonAttentionMetadata(
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens),
+        query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32),
+        max_seq_len=max(seq_lens),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        # as TritonAttentionMetadataBuilder sizes them (3D split-KV decode path)
+        seq_threshold_3D=triton_attn.MIN_LAUNCH_GRID_SIZE_2D // NUM_KV_HEADS,
+        num_par_softmax_segments=triton_attn.NUM_PAR_SOFTMAX_SEGMENTS,
+        softmax_segm_output=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, HEAD_SIZE),
+        softmax_segm_max=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS),
+        softmax_segm_expsum=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS),
+        causal=True,
+    )
+    layer = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
+    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).half()
+    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).half()
+    make_impl(gpu_attention.TreeTritonAttentionImpl).do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+    return SimpleNamespace(
+        q=torch.randn(num_tokens, num_heads, HEAD_SIZE, generator=gen).half(),
+        key=key, value=value, kv_cache=kv_cache, metadata=metadata, layer=layer, query_lens=query_lens,
+    )  # fmt: skip
+
+
+def forward(impl, batch) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))
+    impl.forward(batch.layer, batch.q, batch.key, batch.value, batch.kv_cache, batch.metadata, out)
+    return out
+
+
+def reference(batch, requests) -> torch.Tensor:
+    key_cache, value_cache = split_kv_cache(batch.kv_cache, HEAD_SIZE)
+    words = build_tree_mask([expected_segment(before, draft) for _, before, draft in requests])
+    m = batch.metadata
+    out = torch.zeros(batch.q.shape, dtype=torch.float32)
+    return tree_attention_ref(batch.q, key_cache, value_cache, m.block_table, m.query_start_loc, m.seq_lens,
+                              words, HEAD_SIZE**-0.5, out)  # fmt: skip
+
+
+def rows_of(batch, request: int) -> slice:
+    start = sum(batch.query_lens[:request])
+    return slice(start, start + batch.query_lens[request])
+
+
+# ------------------------------------------------------ (a) the backend impl
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # inside vLLM's kernel
+def test_tree_step_runs_tree_kernel_for_the_whole_batch(vllm_triton):
+    batch = make_batch(REQUESTS, seed=1)
+    impl = make_impl(gpu_attention.TreeTritonAttentionImpl)
+    stock = forward(make_impl(triton_attn.TritonAttentionImpl), batch)
+    with attention.tree_step(make_step(REQUESTS)):
+        ours = forward(impl, batch)
+    torch.testing.assert_close(ours.float(), reference(batch, REQUESTS), **FP16)
+    # Causal rows (plain requests, the chain, rows before a root) = vLLM's stock Triton forward.
+    resumed = rows_of(batch, 4).start
+    causal = [rows_of(batch, 1), rows_of(batch, 2), rows_of(batch, 3), slice(resumed, resumed + 3)]
+    for rows in causal:
+        torch.testing.assert_close(ours[rows], stock[rows], **FP16)
+    # ... and tree rows are not: siblings must not see each other (the test can fail).
+    star = rows_of(batch, 5)
+    assert (ours[star][2:].float() - stock[star][2:].float()).abs().amax() > 0.05
+    torch.testing.assert_close(ours[star][:2], stock[star][:2], **FP16)  # root and first child are causal
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("active", ["no step", "chains only"])
+def test_without_tree_rows_the_forward_is_vllms(vllm_triton, active):
+    """No active step, or a step whose trees are chains: exactly vLLM's Triton path."""
+    batch = make_batch(CHAINS, seed=2)
+    step = make_step(CHAINS) if active == "chains only" else None
+    assert step is None or not step.needs_attention
+    with attention.tree_step(step):
+        ours = forward(make_impl(gpu_attention.TreeTritonAttentionImpl), batch)
+    stock = forward(make_impl(triton_attn.TritonAttentionImpl), batch)
+    assert torch.equal(ours, stock)
+    torch.testing.assert_close(ours.float(), reference(batch, CHAINS), **FP16)
+
+
+def test_tree_mask_must_cover_the_batch(vllm_triton):
+    batch = make_batch(REQUESTS, seed=3)
+    step = make_step(REQUESTS[:-1])  # built for fewer rows than attention runs
+    with attention.tree_step(step), pytest.raises(RuntimeError, match="tree mask has 39 rows but attention runs 44"):
+        forward(make_impl(gpu_attention.TreeTritonAttentionImpl), batch)
+
+
+# --------------------------------------------------- (b) the runner-side mask
+def test_step_mask_equals_reference_mask():
+    """Same keys for every row as ``reference.build_tree_mask``; words only on
+    rows causal gets wrong (elsewhere zero, i.e. causal), one device tensor."""
+    step = make_step(REQUESTS)
+    query_lens, *_ = batch_layout(REQUESTS)
+    words = build_tree_mask([expected_segment(before, draft) for _, before, draft in REQUESTS])
+    assert step.tree_mask.dtype == torch.int64 and step.tree_mask.shape == (sum(query_lens), 1)
+    start = 0
+    for (ctx, before, draft), n in zip(REQUESTS, query_lens):
+        ours, ref = step.tree_mask[start : start + n], words[start : start + n, :1]
+        assert torch.equal(allowed_keys(ours, ctx), allowed_keys(ref, ctx))
+        needs_mask = np.zeros(n, dtype=bool)
+        if draft is not None:
+            needs_mask[before + attention.masked_rows(draft)] = True
+        assert ((ours != 0).any(dim=1).numpy() == needs_mask).all()
+        with_words = torch.from_numpy(needs_mask)
+        assert torch.equal(ours[with_words], ref[with_words])  # the same words where there are words
+        start += n
+    # Node positions: context + depth, as on CPU.
+    _, _, roots, root_positions, trees = batch_layout(REQUESTS)
+    assert step.node_rows.tolist() == [r + 1 + i for r, t in zip(roots, trees) for i in range(t.num_nodes)]
+    assert step.node_positions.tolist() == [p + d for p, t in zip(root_positions, trees) for d in t.depths]
+
+
+def test_step_mask_wide_trees_and_chains():
+    star = tree([-1] * 70)  # 71 rows: two words, bit 63 in use
+    step = make_step([(9, 0, star), (3, 2, None)])
+    assert step.tree_mask.shape == (73, 2)
+    assert torch.equal(step.tree_mask, build_tree_mask([star, 2], num_words=2).masked_fill(
+        torch.arange(73)[:, None] < 2, 0))  # root and first node: causal, zero words  # fmt: skip
+    assert bool((step.tree_mask[:, 0] < 0).any())
+    assert make_step([(5, 0, tree([-1, 0, 1])), (7, 2, None)]).tree_mask is None
+    # 150 recomputed rows before a root: 153 bits need 3 words, rounded up to 4
+    # (the kernel is compiled per word count).
+    resumed = (8, 150, tree([-1, -1]))
+    mask = make_step([resumed]).tree_mask
+    assert mask.shape == (153, 4)
+    expected = build_tree_mask([expected_segment(*resumed[1:])], num_words=4)
+    assert torch.equal(allowed_keys(mask, 8), allowed_keys(expected, 8))
+
+
+# ----------------------------------------------------- the runner's KV move
+def test_runner_moves_accepted_kv_with_the_kernel_on_cuda():
+    """``_move_accepted_kv`` on a CUDA runner: rows -> slots through the step's
+    slot mapping, one kv_move launch for every layer, moves in order per request."""
+    gen = torch.Generator().manual_seed(4)
+    caches = [torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=gen).half().transpose(1, 2)
+              for _ in range(3)]  # fmt: skip
+    slot_mapping = torch.randperm(12 * BLOCK_SIZE, generator=gen)[:40]  # token row -> slot
+    # Request 0 accepted rows [0, 2, 3] of its tree (root at row 5): row 7 -> 6 reads
+    # the slot that row 8 -> 7 then overwrites. Request 1 (root at row 20) moved nothing.
+    src_rows = [5 + 1 + np.array([1, 2]), np.array([], dtype=np.int64)]
+    dst_rows = [5 + 1 + np.array([0, 1]), np.array([], dtype=np.int64)]
+    runner = SimpleNamespace(
+        device=torch.device("cuda"),
+        input_batch=SimpleNamespace(block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slot_mapping))]),
+        _kv_layers=[(None, cache) for cache in caches],
+        _kv_layer_pointers=km_mod.layer_pointer_table(caches),
+        tree_stats={"kv_moves": 0},
+    )
+    expected = [cache.clone() for cache in caches]
+    kv_move_ref(expected, slot_mapping[[7, 8]], slot_mapping[[6, 7]])
+    TreeRunnerMixin._move_accepted_kv(runner, src_rows, dst_rows)
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got, want)
+    assert runner.tree_stats["kv_moves"] == 2
+
+
+# -------------------------------------------------- (c) start-up selection
+@pytest.fixture
+def custom_slot():
+    """Leave vLLM's CUSTOM backend slot as it was."""
+    slot = AttentionBackendEnum.CUSTOM
+    before = slot.get_path() if slot.is_overridden() else None
+    yield slot
+    slot.clear_override()
+    if before is not None:
+        from vllm.v1.attention.backends.registry import register_backend
+
+        register_backend(slot, before)
+
+
+def create(monkeypatch, *, cuda: bool, spec: dict, **engine_args) -> EngineArgs:
+    """Run the plugin's speculative-config patch the way ``create_engine_config``
+    does, on (mocked) CUDA or on this CPU; vLLM's own translation is stubbed."""
+
+    class Args(EngineArgs):
+        def create_speculative_config(self, *args, **kwargs):
+            return self.speculative_config
+
+    plugin._patch_speculative_config(Args, None)
+    args = Args(model="unused", speculative_config=spec, **engine_args)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: cuda)
+    args.create_speculative_config()
+    return args
+
+
+def test_cuda_with_a_plugin_method_selects_the_tree_backend(monkeypatch, custom_slot):
+    args = create(monkeypatch, cuda=True, spec={"method": "lookup_tree", "max_nodes": 8})
+    assert args.attention_config.backend == custom_slot
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    backend = custom_slot.get_class()  # what vLLM's CUDA selector resolves
+    assert backend is gpu_attention.TreeTritonAttentionBackend
+    assert AttentionBackendEnum[backend.get_name()] is custom_slot  # vLLM's Attention layer maps it back
+    assert backend.get_impl_cls() is gpu_attention.TreeTritonAttentionImpl
+    assert backend.get_builder_cls().get_cudagraph_support(None, None).name == "NEVER"
+    ok = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
+              has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+              device_capability=None, attn_type="decoder")  # fmt: skip
+    assert backend.validate_configuration(**ok) == []
+    assert backend.validate_configuration(**{**ok, "has_sliding_window": True, "kv_cache_dtype": "fp8"}) == [
+        "kv_cache_dtype not supported", "sliding window not supported"]  # fmt: skip
+
+
+@pytest.mark.parametrize("cuda, spec", [(False, {"method": "lookup_tree"}), (True, {"method": "ngram"}), (True, None)])
+def test_vllm_is_left_alone_otherwise(monkeypatch, custom_slot, cuda, spec):
+    args = create(monkeypatch, cuda=cuda, spec=spec)
+    assert args.attention_config.backend is None and args.attention_backend is None
+    assert args.compilation_config.cudagraph_mode is None
+
+
+def test_eager_and_piecewise_modes_are_kept(monkeypatch, custom_slot):
+    for mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        args = create(monkeypatch, cuda=True, spec={"method": "aded"}, compilation_config={"cudagraph_mode": mode})
+        assert args.compilation_config.cudagraph_mode == mode
+    args = create(monkeypatch, cuda=True, spec={"method": "aded"}, attention_backend="CUSTOM")
+    assert args.attention_backend == "CUSTOM" and args.attention_config.backend is None  # already ours
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_full_cuda_graphs_are_refused(monkeypatch, custom_slot, mode):
+    message = rf"needs cudagraph_mode PIECEWISE or NONE, got {mode}: .*--enforce-eager"
+    with pytest.raises(SpecbeamConfigError, match=message):
+        create(monkeypatch, cuda=True, spec={"method": "lookup_tree"}, compilation_config={"cudagraph_mode": mode})
+
+
+def test_other_backends_and_a_taken_slot_are_refused(monkeypatch, custom_slot):
+    with pytest.raises(SpecbeamConfigError, match="backend FLASH_ATTN was requested; remove --attention-backend"):
+        create(monkeypatch, cuda=True, spec={"method": "lookup_tree"}, attention_backend="FLASH_ATTN")
+    from vllm.v1.attention.backends.registry import register_backend
+
+    register_backend(custom_slot, "other.package.Backend")
+    with pytest.raises(SpecbeamConfigError, match="CUSTOM attention backend slot already holds other.package.Backend"):
+        create(monkeypatch, cuda=True, spec={"method": "lookup_tree"})
+
+
+def test_layers_without_the_tree_backend_or_with_alibi_are_refused():
+    gpu_attention.check_tree_backend([make_impl(gpu_attention.TreeTritonAttentionImpl)])
+    with pytest.raises(ValueError, match="a layer uses TritonAttentionImpl"):
+        gpu_attention.check_tree_backend([make_impl(triton_attn.TritonAttentionImpl)])
+    alibi = gpu_attention.TreeTritonAttentionImpl(
+        num_heads=8, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes=[0.5] * 8, sliding_window=None,
+        kv_cache_dtype="auto", logits_soft_cap=30.0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="does not support ALiBi, logit soft-capping"):
+        gpu_attention.check_tree_backend([alibi])
