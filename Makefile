@@ -22,5 +22,17 @@ test: $(VENV)/.installed
 	# setting never reaches the vLLM engines of the other tests.
 	TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels -q
 
-bench: $(VENV)/.installed
+# vLLM's `suffix` method needs arctic-inference, on PyPI only as an sdist with
+# a C++ extension: built against the venv's torch (no isolation, which would
+# fetch a CUDA torch) and its Python (setup.py's -DPYTHON_EXECUTABLE is ignored
+# by CMake), without its protobuf pin. Optional: if it does not build, the
+# benchmark reports `suffix` as skipped.
+$(VENV)/.suffix: $(VENV)/.installed
+	$(PY) -m pip install --quiet nanobind==2.9.2 wheel "grpcio-tools==$$($(PY) -c 'import grpc; print(grpc.__version__)')" \
+	  && CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" MAX_JOBS=1 \
+	     $(PY) -m pip install --quiet --no-build-isolation --no-deps arctic-inference==0.3.0 \
+	  || echo "arctic-inference did not build: the benchmark skips vLLM's suffix method"
+	touch $@
+
+bench: $(VENV)/.installed $(VENV)/.suffix
 	VENV=$(VENV) bash benchmarks/run_main_job.sh

@@ -32,6 +32,7 @@ Outputs: ``OUT/result.json`` (schema in ``benchmarks/metrics.py``),
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -75,13 +76,26 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TREE_GRID = {"none": [], "quick": [(3, 8), (5, 16)], "full": [(2, 4), (3, 8), (4, 16), (6, 24), (8, 32)]}
 CHAIN_GRID = {"none": [4], "quick": [4], "full": [2, 4, 6]}
 DRAFT_GRID = {"none": [3], "quick": [3], "full": [3, 5]}
-BEAM_GRID = {"none": [4], "quick": [4], "full": [2, 4]}
+BEAM_GRID = {"none": [4], "quick": [2, 4], "full": [2, 4]}
+
+#: ``aded`` started from the ``--trigram`` matrix, reported next to ``aded``
+#: without a corpus.
+ADED_CORPUS = "aded+corpus"
 
 #: Hook for beam comparisons: plugin methods whose output is a beam search
 #: result. When one of them is available, vLLM's ``LLM.beam_search`` runs as
 #: their reference ("beam_search" in the results) at the widths of
 #: ``BEAM_GRID``; the beam method's own width option belongs in its sweep.
 BEAM_METHODS = {"dsbd"}
+#: The plugin's full-width speculative beam search
+#: (:func:`vllm_specbeam.beam_search.beam_search`, on a ``dsbd`` engine), run
+#: at the widths of ``BEAM_GRID`` next to ``LLM.beam_search``.
+SPEC_BEAM = "dsbd-beam"
+#: Engine settings both beam searches run with: each beam is re-submitted as
+#: a request per step (per round), sharing its prompt's blocks through the
+#: prefix cache; the CPU default block of 128 makes that far slower than 32.
+#: The speculative search also needs the whole prompt in one step.
+BEAM_ENGINE = {"block_size": 32, "enable_prefix_caching": True}
 
 
 # ======================================================================= plan
@@ -95,6 +109,8 @@ class Setting:
     values: dict[str, Any]
     extra_args: dict[str, Any] | None = None
     beam_width: int | None = None
+    #: with ``beam_width``: the plugin's speculative beam search instead of vLLM's
+    speculative: bool = False
 
 
 @dataclass
@@ -106,7 +122,7 @@ class EngineSpec:
     kind: str
     speculative_config: dict[str, Any] | None
     settings: list[Setting]
-    block_size: int | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
     greedy_only: bool = False
 
 
@@ -135,7 +151,8 @@ def plugin_methods() -> dict[str, Any]:
 def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[EngineSpec]]:
     """Which engines to start, and why each skipped method is skipped."""
     wanted = None if args.methods == ["all"] else set(args.methods)
-    unknown = (wanted or set()) - {"none", "ngram", "draft_model", "suffix", "beam_search", *plugin_methods()}
+    unknown = (wanted or set()) - {"none", "ngram", "draft_model", "suffix", "beam_search", SPEC_BEAM,
+                                   *plugin_methods()}
     if unknown:
         raise SystemExit(f"unknown method(s) {sorted(unknown)}")
     status: dict[str, MethodStatus] = {}
@@ -182,13 +199,23 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         engines.append(EngineSpec(name, name, "plugin", config, settings))
         if name in BEAM_METHODS:
             available_beam.append(name)
+        if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted or name in wanted):
+            status[SPEC_BEAM] = MethodStatus("plugin")
+            beam_settings = [Setting(f"w{w}", {"beam_width": w}, beam_width=w, speculative=True)
+                             for w in BEAM_GRID[args.sweep]]
+            engines.append(EngineSpec(SPEC_BEAM, SPEC_BEAM, "plugin", config, beam_settings, greedy_only=True,
+                                      engine_kwargs={**BEAM_ENGINE, "enable_chunked_prefill": False}))
+        if name == "aded" and args.trigram:
+            # The same method started from a corpus matrix, as its own row.
+            status[ADED_CORPUS] = MethodStatus("plugin")
+            engines.append(EngineSpec("aded-corpus", ADED_CORPUS, "plugin",
+                                      {**config, "trigram": args.trigram_path}, settings))
 
     if (wanted is None and available_beam) or (wanted is not None and "beam_search" in wanted):
         status["beam_search"] = MethodStatus("beam")
         settings = [Setting(f"w{w}", {"beam_width": w}, beam_width=w) for w in BEAM_GRID[args.sweep]]
-        # block_size 32: each beam is re-submitted as a one-token request per
-        # step, and the CPU default of 128 makes that far slower.
-        engines.append(EngineSpec("beam_search", "beam_search", "beam", None, settings, block_size=32, greedy_only=True))
+        engines.append(EngineSpec("beam_search", "beam_search", "beam", None, settings, greedy_only=True,
+                                  engine_kwargs=BEAM_ENGINE))
     elif wanted is None:
         status["beam_search"] = MethodStatus("beam", "skipped", "no plugin beam method available to compare with")
 
@@ -201,9 +228,8 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
 
 
 SUFFIX_UNAVAILABLE = (
-    "needs the arctic-inference package, which is not installed: PyPI has only an sdist "
-    "(arctic_inference-0.3.0.tar.gz) that compiles C++ extensions with CMake and registers its own "
-    "vllm.general_plugins entry point patching vLLM (targets vLLM 0.26); not built into the shared venv"
+    "needs the arctic-inference package, which is not installed: PyPI has only its sdist, a C++ "
+    "extension that `make bench` builds into the venv (see the Makefile's .suffix target)"
 )
 
 
@@ -227,9 +253,8 @@ def worker(job_path: Path) -> None:
     from vllm.sampling_params import BeamSearchParams
 
     started = time.perf_counter()
-    kwargs = {"block_size": job["block_size"]} if job["block_size"] else {}
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
-              speculative_config=job["speculative_config"], disable_log_stats=False, **kwargs)
+              speculative_config=job["speculative_config"], disable_log_stats=False, **job["engine_kwargs"])
     start_s = time.perf_counter() - started
     tick()
     tokenizer = llm.get_tokenizer()
@@ -244,7 +269,19 @@ def worker(job_path: Path) -> None:
         tree = llm.collective_rpc(_read_tree_stats)[0]
         if tree is not None:
             values.update({f"tree_{key}": value for key, value in tree.items()})
+        if speculative_search.cache_info().currsize:
+            stats = speculative_search().stats  # rounds are target passes; steps are tokens per beam
+            values.update(beam_rounds=stats.prompt_rounds, beam_steps=stats.steps, beam_draft_seconds=stats.draft_seconds)
         return values
+
+    @functools.cache
+    def speculative_search() -> Any:
+        from vllm_specbeam.beam_search import SpeculativeBeamSearch
+
+        return SpeculativeBeamSearch(llm)
+
+    if any(setting["speculative"] for setting in job["settings"]):
+        speculative_search()  # loads the draft model before the clock runs
 
     def run(setting: dict[str, Any], batch_size: int, temperature: float) -> list[list[int]]:
         """All prompts, at most ``batch_size`` requests in flight at a time."""
@@ -253,7 +290,8 @@ def worker(job_path: Path) -> None:
             indices = range(first, min(first + batch_size, len(token_prompts)))
             if setting["beam_width"]:
                 params = BeamSearchParams(beam_width=setting["beam_width"], max_tokens=max_tokens, ignore_eos=True)
-                for index, result in zip(indices, llm.beam_search([token_prompts[i] for i in indices], params)):
+                search = speculative_search().run if setting["speculative"] else llm.beam_search
+                for index, result in zip(indices, search([token_prompts[i] for i in indices], params)):
                     outputs.append(list(result.sequences[0].tokens[len(prompt_ids[index]):]))
                 continue
             params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
@@ -474,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args.model_path, args.draft_path = resolve_model(args.model), resolve_model(args.draft)
+    args.trigram_path = str(Path(args.trigram).resolve()) if args.trigram else None
     prompts = load_prompts(args.prompts, args.num_prompts)
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -492,10 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         is_baseline = engine.kind == "baseline"
         job = {
             "model": args.model_path, "dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
-            "speculative_config": engine.speculative_config, "block_size": engine.block_size,
+            "speculative_config": engine.speculative_config, "engine_kwargs": engine.engine_kwargs,
             "prompts": [p.text for p in prompts], "max_tokens": args.max_tokens, "repeats": args.repeats,
             "scenarios": scenarios_of(engine),
-            "settings": [{"extra_args": s.extra_args, "beam_width": s.beam_width} for s in engine.settings],
+            "settings": [{"extra_args": s.extra_args, "beam_width": s.beam_width, "speculative": s.speculative}
+                         for s in engine.settings],
             "score_outputs": is_baseline,
             "score": [{"engine": engine_id, "run": k, "prompt": i, "output": out_ids}
                       for engine_id, data in raw.items() for k, run in enumerate(data["runs"])
@@ -505,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         code, peak_mib = run_worker(job, out / "logs" / f"{engine.id}.log", bar)
         record = {"id": engine.id, "method": engine.method, "speculative_config": engine.speculative_config,
-                  "block_size": engine.block_size, "log": str(out / "logs" / f"{engine.id}.log"),
+                  "engine_kwargs": engine.engine_kwargs, "log": str(out / "logs" / f"{engine.id}.log"),
                   "peak_rss_mib": peak_mib, "status": "ok" if code == 0 else "failed"}
         if code != 0:
             record["reason"] = f"worker exit code {code}: {failure_line(out / 'logs' / f'{engine.id}.log')}"
@@ -536,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": {"source": args.prompts, "count": len(prompts), "ids": [p.id for p in prompts]},
             "max_tokens": args.max_tokens, "batch_sizes": args.batch_sizes, "temperatures": args.temperatures,
             "repeats": args.repeats, "seed": args.seed, "dtype": args.dtype, "max_model_len": args.max_model_len,
-            "sweep": args.sweep, "execute_code": args.execute_code, "ignore_eos": True,
+            "sweep": args.sweep, "execute_code": args.execute_code, "ignore_eos": True, "trigram": args.trigram_path,
             "plugin_sweep": "per-request extra_args on one engine started at the grid's maximum depth and nodes",
         },
         "environment": environment(args.model_path, args.draft_path),
@@ -551,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "outputs.json").write_text(json.dumps(
         [{"method": r["method"], "setting": r["setting_label"], "batch_size": r["batch_size"],
           "temperature": r["temperature"], "texts": r["texts"]} for r in runs], indent=1))
-    table = metrics.offline_table(result["runs"])
+    table = metrics.offline_table(result["runs"]) + metrics.beam_table(result["runs"])
     (out / "table.md").write_text(table)
     title = (f"{Path(args.model).name} · {args.prompts} x{len(prompts)} · {args.max_tokens} tokens · "
              f"{result['environment']['cpu_affinity']} CPUs")
@@ -589,11 +629,14 @@ def assemble(args: argparse.Namespace, engines: list[EngineSpec], records: list[
             output_tokens = sum(record["output_tokens_runs"])
             counters = record["counters"]
             if engine.kind == "baseline":
-                accepted, drafted = 0, 0
+                figures = metrics.spec_figures(output_tokens, 0, 0)
+            elif engine.method == SPEC_BEAM:
+                # per beam: tokens appended (steps) over target passes (rounds)
+                steps, rounds = counters["beam_steps"], counters["beam_rounds"]
+                figures = metrics.spec_figures(steps, steps - rounds, None)
             else:
-                accepted, drafted = counters.get("accepted"), counters.get("draft_tokens")
-            figures = metrics.spec_figures(output_tokens, accepted, drafted)
-            draft_seconds = counters.get("tree_draft_seconds")
+                figures = metrics.spec_figures(output_tokens, counters.get("accepted"), counters.get("draft_tokens"))
+            draft_seconds = counters.get("beam_draft_seconds" if engine.method == SPEC_BEAM else "tree_draft_seconds")
             runs.append({
                 "method": engine.method, "setting": setting.values, "setting_label": setting.label,
                 "batch_size": scenario["batch_size"], "temperature": scenario["temperature"], "engine": engine.id,
@@ -607,12 +650,21 @@ def assemble(args: argparse.Namespace, engines: list[EngineSpec], records: list[
                 "outputs": record["outputs"], "texts": record["texts"],
             })
     reference = {(r["batch_size"], r["temperature"]): r for r in runs if r["method"] == "none"}
+    beams = {(r["batch_size"], r["setting_label"]): r for r in runs if r["method"] == "beam_search"}
     for run in runs:
         base = reference[(run["batch_size"], run["temperature"])]
         run["speedup"] = metrics.ratio(run["tokens_per_s"], base["tokens_per_s"])
         # Greedy only: a lossless sampled method keeps the distribution, not
-        # the baseline's individual samples; beam search is a different output.
-        if run["temperature"] == 0 and run["method"] != "beam_search":
+        # the baseline's individual samples; beam searches are compared with
+        # vLLM's beam search at the same width.
+        if run["method"] == "beam_search":
+            run["speedup_vs_beam_search"] = 1.0
+        elif run["method"] == SPEC_BEAM:
+            beam = beams.get((run["batch_size"], run["setting_label"]))
+            if beam is not None:
+                run["exact_match"] = metrics.exact_match(run["outputs"], beam["outputs"])
+                run["speedup_vs_beam_search"] = metrics.ratio(run["tokens_per_s"], beam["tokens_per_s"])
+        elif run["temperature"] == 0 and run["method"] != "beam_search":
             run["exact_match"] = metrics.exact_match(run["outputs"], base["outputs"])
     return runs
 
@@ -624,6 +676,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft", default=None,
                         help="draft model for draft_model and plugin methods that need one "
                              "(e.g. Qwen/Qwen2.5-Coder-0.5B-Instruct for the Qwen 1.5B target)")
+    parser.add_argument("--trigram", default=None,
+                        help="also run aded from this tri-gram matrix (vllm-specbeam trigram build), "
+                             f"reported as {ADED_CORPUS!r}")
     parser.add_argument("--prompts", default="humaneval", help=f"{' | '.join(BUILTIN)} | path to JSONL with 'prompt'")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -286,6 +286,28 @@ def offline_table(runs: Sequence[Mapping[str, Any]]) -> str:
     return markdown_table(rows, OFFLINE_COLUMNS)
 
 
+#: (title, key, digits) of the beam-search table.
+BEAM_COLUMNS = (
+    ("batch", "batch_size", 0), ("method", "method", 0), ("width", "setting_label", 0),
+    ("tok/s (median)", "tokens_per_s", 1), ("vs vLLM beam search", "speedup_vs_beam_search", 2),
+    ("tokens per target pass", "tokens_per_pass", 2), ("draft share", "draft_time_share", 2),
+    ("loglik/token", "mean_loglik_per_token", 3), ("same beams as vLLM", "exact_match", 2),
+)
+
+
+def beam_table(runs: Sequence[Mapping[str, Any]]) -> str:
+    """Beam searches at every width (not only the fastest): vLLM's
+    ``LLM.beam_search`` and the plugin's speculative one side by side;
+    empty when no beam search ran."""
+    rows = [{**r, "tokens_per_pass": 1 / r["steps_per_output_token"] if r.get("steps_per_output_token") else
+             (1.0 if r["method"] == "beam_search" else None)}
+            for r in runs if r.get("setting", {}).get("beam_width")]
+    if not rows:
+        return ""
+    rows.sort(key=lambda r: (r["batch_size"], r["setting"]["beam_width"], r["method"] != "beam_search"))
+    return "\nBeam search (greedy; widths side by side):\n\n" + markdown_table(rows, BEAM_COLUMNS)
+
+
 def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
     """Speedup (x) against mean log-likelihood per token under the target (y),
     one point per method and setting, one panel per batch size and

@@ -7,9 +7,12 @@
 #
 # 1. fetches SmolLM2-135M-Instruct into $MODELS (default ~/.cache/specbeam-models)
 #    with ../shared/models/fetch.sh ($FETCH) if it is missing;
-# 2. runs benchmarks/compare.py: 8 HumanEval prompts, 64 tokens, greedy,
-#    batch 1 and 8, 3 timed repeats (median), quick sweep; prints the table and
-#    writes $OUT (default ./results/main-job): result.json, table.md, PNG.
+# 2. builds aded's tri-gram matrix from this Python's standard library sources
+#    (tests and site-packages left out) with the model's tokenizer, once;
+# 3. runs benchmarks/compare.py: 8 HumanEval prompts, 64 tokens, greedy,
+#    batch 1 and 8, 3 timed repeats (median), quick sweep, aded with and
+#    without the corpus; prints the table and writes $OUT (default
+#    ./results/main-job): result.json, table.md, PNG.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
@@ -29,7 +32,15 @@ if [ ! -f "$MODEL/config.json" ]; then
   "$FETCH" "$MODELS" smollm2
 fi
 
+TRIGRAM=$MODELS/trigram-pystdlib-smollm2
+if [ ! -f "$TRIGRAM/meta.json" ]; then
+  echo "== tri-gram matrix from the Python standard library into $TRIGRAM"
+  STDLIB=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+  "$VENV/bin/vllm-specbeam" trigram build --tokenizer "$MODEL" --out "$TRIGRAM" \
+    --exclude 'site-packages/*' --exclude 'test/*' --exclude '*/tests/*' --exclude '*/idle_test/*' "$STDLIB"
+fi
+
 echo "== quick comparison (started $(date '+%H:%M:%S'))"
 "$PY" "$ROOT/benchmarks/compare.py" --model "$MODEL" --prompts humaneval --num-prompts 8 --max-tokens 64 \
-  --batch-sizes 1 8 --temperatures 0 --repeats 3 --sweep quick --out "$OUT" "$@"
+  --batch-sizes 1 8 --temperatures 0 --repeats 3 --sweep quick --trigram "$TRIGRAM" --out "$OUT" "$@"
 echo "== main job done in ${SECONDS}s; plot: $OUT/speedup_vs_quality.png"

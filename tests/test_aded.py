@@ -126,6 +126,20 @@ def test_build_counts_normalises_and_keeps_top_k(corpus: Path, tokenizer_dir: st
     assert top1.meta["stats"]["kept_mass"] < matrix.meta["stats"]["kept_mass"] == 1.0
 
 
+def test_build_excludes_globs_under_directories(corpus: Path, tokenizer_dir: str) -> None:
+    everything = trigram.corpus_files([corpus])
+    assert corpus / "code" / "two.py" in everything
+    kept = trigram.corpus_files([corpus], exclude=["code/*", "*.gz"])
+    assert sorted(p.name for p in kept) == ["one.txt", "three.jsonl"]
+    # a file named on the command line is read whatever the globs say
+    assert trigram.corpus_files([corpus / "code" / "two.py"], exclude=["*"]) == [corpus / "code" / "two.py"]
+    a, b, c, d = range(1, 5)
+    matrix = trigram.build([corpus], trigram.load_tokenizer(tokenizer_dir), progress=False, exclude=["code/*"])
+    ids, probs = matrix.base(a, b)  # two.py's "a b c" is gone: one.txt's "a b c", "a b d" remain
+    assert ids.tolist() == [c, d] and probs.tolist() == pytest.approx([1 / 2, 1 / 2])
+    assert matrix.meta["sources"]["files"] == 3
+
+
 def test_counter_merges_partial_counts_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 5, size=n) for n in rng.integers(0, 40, size=30)]

@@ -144,7 +144,8 @@ def test_prompt_sets(tmp_path):
 
 
 def plan_args(**kwargs) -> argparse.Namespace:
-    defaults = {"methods": ["all"], "draft": None, "draft_path": None, "sweep": "quick"}
+    defaults = {"methods": ["all"], "draft": None, "draft_path": None, "sweep": "quick",
+                "trigram": None, "trigram_path": None}
     return argparse.Namespace(**{**defaults, **kwargs})
 
 
@@ -171,11 +172,30 @@ def test_plan_follows_plugin_methods(monkeypatch):
     monkeypatch.setattr(compare, "plugin_methods", lambda: fake)
     status, engines = compare.plan(plan_args(draft="d", draft_path="/d"))
     ids = [e.id for e in engines]
-    assert "dsbd" in ids and "beam_search" in ids and "draft_model-k3" in ids
-    assert next(e for e in engines if e.id == "dsbd").speculative_config["model"] == "/d"
-    assert next(e for e in engines if e.id == "beam_search").block_size == 32
+    assert {"dsbd", "beam_search", compare.SPEC_BEAM, "draft_model-k3"} <= set(ids)
+    by_id = {e.id: e for e in engines}
+    assert by_id["dsbd"].speculative_config["model"] == "/d"
+    assert by_id["beam_search"].engine_kwargs["block_size"] == 32
+    # the speculative beam search: the dsbd engine's config, the same widths as vLLM's, whole prompts per step
+    spec = by_id[compare.SPEC_BEAM]
+    assert spec.speculative_config == by_id["dsbd"].speculative_config and spec.greedy_only
+    assert spec.engine_kwargs["enable_chunked_prefill"] is False
+    assert [s.values for s in spec.settings] == [s.values for s in by_id["beam_search"].settings]
+    assert all(s.speculative for s in spec.settings)
     with pytest.raises(SystemExit, match="unknown method"):
         compare.plan(plan_args(methods=["nope"]))
+
+
+def test_plan_runs_aded_with_and_without_a_corpus():
+    status, engines = compare.plan(plan_args(methods=["aded"]))
+    assert compare.ADED_CORPUS not in status
+    status, engines = compare.plan(plan_args(methods=["aded"], trigram="m", trigram_path="/m"))
+    by_id = {e.id: e for e in engines}
+    assert status[compare.ADED_CORPUS].status == "ok"
+    assert "trigram" not in by_id["aded"].speculative_config
+    corpus = by_id["aded-corpus"]
+    assert corpus.method == compare.ADED_CORPUS and corpus.speculative_config["trigram"] == "/m"
+    assert corpus.speculative_config["method"] == "aded" and corpus.settings == by_id["aded"].settings
 
 
 # ------------------------------------------------------------ end to end

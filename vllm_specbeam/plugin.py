@@ -7,14 +7,26 @@ this file is the list of what the plugin touches. Each patch names the vLLM
 1. ``EngineArgs.create_speculative_config`` (engine/arg_utils.py): the user's
    speculative config for a plugin method is validated here and replaced by the
    ``custom_class`` carrier vLLM accepts; the plugin's own settings travel in
-   ``VllmConfig.additional_config["specbeam"]`` to every worker.
+   ``VllmConfig.additional_config["specbeam"]`` to every worker. On CUDA the
+   same patch selects the plugin's attention backend and a cudagraph mode
+   that keeps attention outside CUDA graphs (``attention_config`` and
+   ``compilation_config``, read later in ``create_engine_config``).
 2. ``InputProcessor._validate_params`` (v1/engine/input_processor.py): checks
    per-request strategy options in ``SamplingParams.extra_args`` at admission,
-   so a bad value fails that request only.
+   so a bad value fails that request only; tree-prompt requests
+   (:mod:`vllm_specbeam.tree_prompt`) are checked here too.
 3. The model runner class the workers build (``cpu_worker.CPUModelRunner`` on
    CPU, ``Worker._make_model_runner`` on GPU): replaced by a subclass that
    verifies trees (:mod:`vllm_specbeam.runner`). Done in every process; the
    subclass only changes behaviour when a plugin method is configured.
+4. On CUDA, vLLM's ``CUSTOM`` attention-backend slot
+   (v1/attention/backends/registry.py ``register_backend``) is pointed at the
+   plugin's Triton backend (:mod:`vllm_specbeam.gpu_attention`), in every
+   process; it is used only when patch 1 selects it.
+5. ``generate_block_hash_extra_keys`` (v1/core/kv_cache_utils.py): prefix-cache
+   blocks holding the rows of a tree-prompt request's tree get a key of their
+   own, so they never serve another request (:mod:`vllm_specbeam.tree_prompt`).
+   Done in the engine-core process, where requests are hashed.
 
 The runner in turn wraps ``CPUAttentionBackendImpl.forward``
 (v1/attention/backends/cpu_attn.py, see :mod:`vllm_specbeam.attention`) and
@@ -65,6 +77,8 @@ def register() -> None:
         return
     _patch_runner_classes()
     _patch_request_validation()
+    _patch_block_hashing()
+    _register_attention_backend()
 
 
 def _patch_speculative_config(engine_args_cls: type, version_problem: str | None) -> None:
@@ -83,6 +97,9 @@ def _patch_speculative_config(engine_args_cls: type, version_problem: str | None
         if version_problem:
             raise SpecbeamConfigError(version_problem)
         config = parse(spec, target_tokenizer=self.tokenizer or self.model)
+        from vllm_specbeam.gpu_attention import configure_engine_args
+
+        configure_engine_args(self)
         self.additional_config = {**(self.additional_config or {}), ADDITIONAL_CONFIG_KEY: config.to_dict()}
         self.speculative_config = vllm_carrier(config)
         try:
@@ -144,6 +161,7 @@ def _patch_runner_classes() -> None:
 def _patch_request_validation() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from vllm_specbeam import tree_prompt
     from vllm_specbeam.config import SpecbeamConfig
 
     stock = InputProcessor._validate_params
@@ -155,10 +173,36 @@ def _patch_request_validation() -> None:
         if data is not None and extra:
             try:
                 SpecbeamConfig.from_dict(data).with_overrides(extra)
-            except SpecbeamConfigError as error:
+                tree_prompt.check_params(params, self.vllm_config.scheduler_config.enable_chunked_prefill)
+            except (SpecbeamConfigError, tree_prompt.TreePromptError) as error:
                 from vllm.exceptions import VLLMValidationError
 
                 raise VLLMValidationError(f"vllm-specbeam: {error}") from error
         return result
 
     InputProcessor._validate_params = _validate_params
+
+
+def _register_attention_backend() -> None:
+    """Workers resolve the selected backend through the registry of their own
+    process; other platforms never select it, so their registry is left alone."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        from vllm_specbeam.gpu_attention import register_tree_backend
+
+        register_tree_backend()
+
+
+def _patch_block_hashing() -> None:
+    from vllm.v1.core import kv_cache_utils
+
+    from vllm_specbeam import tree_prompt
+
+    # vLLM 0.32.0 v1/core/kv_cache_utils.py: the request block hasher looks
+    # this module global up at every call.
+    stock = kv_cache_utils.generate_block_hash_extra_keys
+    if not getattr(stock, "_specbeam", False):
+        patched = tree_prompt.block_hash_extra_keys(stock)
+        patched._specbeam = True
+        kv_cache_utils.generate_block_hash_extra_keys = patched

@@ -7,11 +7,14 @@ v1/worker/gpu_model_runner.py, synchronous scheduling):
    request with drafts and gives every row a linear KV slot. The plugin then
    sets each node's *position* to ``context + depth`` (slots stay linear).
 2. ``_model_forward`` runs the target once; the attention layers see the
-   step's :class:`~vllm_specbeam.attention.TreeStep` and give tree rows the
-   ancestor-only mask.
+   step's trees and give tree rows the ancestor-only mask: on CPU a
+   :class:`~vllm_specbeam.attention.TreeStep` for the wrapped CPU backend, on
+   CUDA a :class:`~vllm_specbeam.gpu_attention.GpuTreeStep` for the plugin's
+   attention backend (selected at start-up, see ``gpu_attention``).
 3. ``_sample`` runs the strategy's verifier instead of vLLM's chain rejection
    sampler, returns the accepted path in the shape vLLM expects, and moves the
-   accepted nodes' K/V into the slots of consecutive positions.
+   accepted nodes' K/V into the slots of consecutive positions (torch on CPU,
+   the ``kv_move`` kernel on CUDA).
 4. ``propose_draft_token_ids`` asks the drafter for the next trees; their
    flattened tokens go to the scheduler as ordinary draft tokens (the
    scheduler allocates a slot per node and rolls back what was not accepted).
@@ -28,9 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_specbeam import attention
+from vllm_specbeam import attention, gpu_attention, tree_prompt
 from vllm_specbeam.config import METHODS, SpecbeamConfig
 from vllm_specbeam.drafters.base import DraftRequest, TreeDrafter
+from vllm_specbeam.kernels import kv_move
 from vllm_specbeam.tree import DraftTree
 
 ADDITIONAL_CONFIG_KEY = "specbeam"
@@ -118,17 +122,20 @@ class TreeRunnerMixin:
         self.tree_config = tree_config(self.vllm_config)
         if self.tree_config is None:
             return
-        if self.device.type != "cpu":
+        if self.device.type == "cpu":
+            attention.install_cpu_tree_attention()
+        elif self.device.type != "cuda":
             raise NotImplementedError(
-                "vllm-specbeam tree verification currently runs on vLLM's CPU backend only; "
-                "the GPU attention backend is not wired in this version"
+                f"vllm-specbeam tree verification runs on vLLM's CPU backend and on CUDA GPUs, "
+                f"not on {self.device.type!r} devices"
             )
-        attention.install_cpu_tree_attention()
         self.greedy_verifier, self.sampling_verifier, self.chain_verifier = METHODS[self.tree_config.method].verifiers()
         self.move_accepted_kv = True  # switched off only by a test that proves the move matters
         self._proposed: dict[str, DraftTree] = {}
         self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
-        self._tree_step: attention.TreeStep | None = None
+        #: trees at the end of tree-prompt requests' prompts (:mod:`vllm_specbeam.tree_prompt`)
+        self._prompt_trees: dict[str, DraftTree] = {}
+        self._tree_step: attention.TreeStep | gpu_attention.GpuTreeStep | None = None
         self._step_drafts: tuple[list[str], list[list[int]]] | None = None
         #: running totals read by tests and benchmarks (``LLM.collective_rpc``)
         self.tree_stats = {"trees": 0, "nodes": 0, "accepted": 0, "accepted_off_first_branch": 0, "kv_moves": 0,
@@ -141,10 +148,13 @@ class TreeRunnerMixin:
     # -------------------------------------------------------------- lifecycle
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        if self.tree_config is not None:
-            attention.check_cpu_attention_supported(
-                [layer.impl for layer in self._attention_layers().values()]
-            )
+        if self.tree_config is None:
+            return
+        impls = [layer.impl for layer in self._attention_layers().values()]
+        if self.device.type == "cpu":
+            attention.check_cpu_attention_supported(impls)
+        else:
+            gpu_attention.check_tree_backend(impls)
 
     def _attention_layers(self) -> dict[str, Any]:
         from vllm.config import get_layers_from_vllm_config
@@ -163,6 +173,11 @@ class TreeRunnerMixin:
                 layers.append((layer, kv_cache))
         return layers
 
+    @functools.cached_property
+    def _kv_layer_pointers(self) -> torch.Tensor:
+        """The ``kv_move`` kernel's table of cache base addresses (caches never move)."""
+        return kv_move.layer_pointer_table([kv_cache for _, kv_cache in self._kv_layers])
+
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         if self.tree_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
@@ -176,6 +191,11 @@ class TreeRunnerMixin:
             finished = set(scheduler_output.finished_req_ids)
             for req_id in finished:
                 self._proposed.pop(req_id, None)
+                self._prompt_trees.pop(req_id, None)
+            for new in scheduler_output.scheduled_new_reqs:
+                tree = tree_prompt.prompt_tree(new.sampling_params, new.prompt_token_ids or [])
+                if tree is not None:
+                    self._prompt_trees[new.req_id] = tree
             # A preempted request's drafter state is rebuilt when it resumes;
             # its last tree is kept: the scheduler may verify those drafts
             # right after the resumed request's recomputed tokens.
@@ -214,15 +234,12 @@ class TreeRunnerMixin:
             root_row = int(self.query_start_loc.np[index]) + before_root
             self._verifying.append((req_id, index, root_row, tree))
             context_lens.append(int(self.input_batch.num_computed_tokens_cpu[index]) + before_root)
-        if not self._verifying:
+        entries = [(index, root_row, tree) for _, index, root_row, tree in self._verifying]
+        entries += self._prompt_tree_entries(num_scheduled_tokens, context_lens)
+        if not entries:
             self._tree_step = None
             return result
-        step = attention.TreeStep.build(
-            [index for _, index, _, _ in self._verifying],
-            [row for _, _, row, _ in self._verifying],
-            context_lens,
-            [tree for *_, tree in self._verifying],
-        )
+        step = self._build_tree_step(entries, context_lens, scheduler_output.total_num_scheduled_tokens)
         # Slots were computed from the linear positions above and stay linear;
         # only the positions the model sees (RoPE) become context + depth.
         self.positions[step.node_rows.to(self.positions.device)] = step.node_positions.to(
@@ -230,6 +247,43 @@ class TreeRunnerMixin:
         )
         self._tree_step = step
         return result
+
+    def _prompt_tree_entries(self, num_scheduled_tokens: np.ndarray, context_lens: list[int]) -> list[tuple]:
+        """(batch index, root row, tree) of the tree-prompt requests whose tree
+        rows are computed this step; their roots' positions go to ``context_lens``.
+
+        The whole prompt is scheduled in one step: tree-prompt requests are
+        admitted only when chunked prefill is off (plugin.py checks).
+        """
+        entries = []
+        for req_id, tree in self._prompt_trees.items():
+            index = self.input_batch.req_id_to_index.get(req_id)
+            if index is None:
+                continue
+            computed = int(self.input_batch.num_computed_tokens_cpu[index])
+            root = self.requests[req_id].num_prompt_tokens - tree.num_nodes - 1
+            if computed <= root < computed + int(num_scheduled_tokens[index]):
+                entries.append((index, int(self.query_start_loc.np[index]) + root - computed, tree))
+                context_lens.append(root)
+        return entries
+
+    def _build_tree_step(
+        self, entries: list[tuple[int, int, DraftTree]], context_lens: list[int], num_tokens: int
+    ) -> attention.TreeStep | gpu_attention.GpuTreeStep:
+        """The attention layers' view of this step's trees, built once per step.
+
+        ``entries``: (batch index, root row, tree) of the verifying requests
+        and of the tree-prompt requests; ``context_lens``: their roots' positions.
+        """
+        indices = [index for index, _, _ in entries]
+        root_rows = [row for _, row, _ in entries]
+        trees = [tree for *_, tree in entries]
+        if self.device.type == "cpu":
+            return attention.TreeStep.build(indices, root_rows, context_lens, trees)
+        # vLLM 0.32.0 gpu_model_runner.py _prepare_inputs: query_start_loc.np
+        # holds each request's first token row.
+        request_starts = self.query_start_loc.np[indices].tolist()
+        return gpu_attention.GpuTreeStep.build(request_starts, root_rows, context_lens, trees, num_tokens, self.device)
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.tree_config is None:
@@ -271,10 +325,7 @@ class TreeRunnerMixin:
             src_rows.append(root_row + 1 + path[moved])
             dst_rows.append(root_row + 1 + np.flatnonzero(moved))
         if self.move_accepted_kv:
-            slots = self.input_batch.block_table[0].slot_mapping.cpu
-            src = slots[torch.from_numpy(np.concatenate(src_rows))].to(torch.int64)
-            attention.move_kv(self._kv_layers, src, slots[torch.from_numpy(np.concatenate(dst_rows))].to(torch.int64))
-            self.tree_stats["kv_moves"] += int(src.numel())
+            self._move_accepted_kv(src_rows, dst_rows)
         self._verifying = []
         self._tree_step = None
         output = output.to(logits.device)
@@ -286,6 +337,29 @@ class TreeRunnerMixin:
                 self.sampler.compute_logprobs(chosen), sampling_metadata.max_num_logprobs, tokens
             )
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+
+    def _move_accepted_kv(self, src_rows: list[np.ndarray], dst_rows: list[np.ndarray]) -> None:
+        """Copy the accepted nodes' K/V, all layers, from token rows ``src_rows``
+        to ``dst_rows`` (one array per verifying request, root-first).
+
+        Rows become slots through the step's slot mapping, which vLLM 0.32.0
+        v1/worker/block_table.py ``compute_slot_mapping`` writes into
+        ``slot_mapping.gpu`` (a CPU tensor too on the CPU backend).
+        """
+        slots = self.input_batch.block_table[0].slot_mapping.gpu
+        counts = [moves.size for moves in src_rows]
+        rows = torch.from_numpy(np.concatenate([*src_rows, *dst_rows])).to(slots.device)
+        src, dst = slots[rows].to(torch.int64).tensor_split([sum(counts)])
+        if self.device.type == "cpu":
+            attention.move_kv(self._kv_layers, src, dst)
+        else:
+            # One launch for all layers; each request's moves run in order, in place.
+            cu_moves = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            kv_move.kv_move(
+                [kv_cache for _, kv_cache in self._kv_layers], src, dst,
+                torch.from_numpy(cu_moves).to(slots.device), self._kv_layer_pointers,
+            )  # fmt: skip
+        self.tree_stats["kv_moves"] += sum(counts)
 
     def _verify(
         self, logits: torch.Tensor, first_logit: np.ndarray, spec_decode_metadata: Any, sampling_metadata: Any
@@ -361,8 +435,10 @@ class TreeRunnerMixin:
         batch = self.input_batch
         requests, positions = [], []
         for index, req_id in enumerate(batch.req_ids):
-            params = self.requests[req_id].sampling_params
-            if not sampled_token_ids[index] or params is None or not request_supports_trees(params):
+            state = self.requests[req_id]
+            params = state.sampling_params
+            if (not sampled_token_ids[index] or params is None or not request_supports_trees(params)
+                    or len(state.output_token_ids) >= (params.max_tokens or 1 << 62)):  # finished: no draft
                 continue
             num_tokens = int(batch.num_tokens_no_spec[index])
             requests.append(

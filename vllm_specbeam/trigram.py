@@ -31,6 +31,7 @@ favourite of a key whose corpus distribution is flat.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import gzip
 import hashlib
 import io
@@ -238,12 +239,17 @@ class SourceStats:
     jsonl_skipped: int = 0
 
 
-def corpus_files(paths: Iterable[str | Path]) -> list[Path]:
-    """The files to read: the given files, and the text files under given directories."""
+def corpus_files(paths: Iterable[str | Path], exclude: Sequence[str] = ()) -> list[Path]:
+    """The files to read: the given files, and the text files under given
+    directories whose path relative to that directory matches none of the
+    ``exclude`` globs (``fnmatch``, where ``*`` also crosses ``/``: e.g.
+    ``*/tests/*`` or ``site-packages/*`` to keep a source tree's tests or
+    third-party code out of the corpus)."""
     files: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and _suffix(p) in TEXT_SUFFIXES)
+            files += sorted(p for p in path.rglob("*") if p.is_file() and _suffix(p) in TEXT_SUFFIXES
+                            and not any(fnmatch.fnmatch(p.relative_to(path).as_posix(), g) for g in exclude))
         elif path.is_file():
             files.append(path)
         else:
@@ -373,13 +379,14 @@ def build(
     fields: Sequence[str] = DEFAULT_JSONL_FIELDS,
     batch_chars: int = BATCH_CHARS,
     progress: bool = True,
+    exclude: Sequence[str] = (),
 ) -> TrigramMatrix:
     """Count a corpus's tri-grams with ``tokenizer`` and keep the top ``top_k`` per key.
 
     The returned matrix carries the tokenizer identity and build statistics
-    in ``meta`` (see :func:`format_report`).
+    in ``meta`` (see :func:`format_report`); ``exclude`` as in :func:`corpus_files`.
     """
-    files = corpus_files(paths)
+    files = corpus_files(paths, exclude)
     stats = SourceStats()
     counter = TrigramCounter(len(tokenizer))
     total = sum(f.stat().st_size for f in files)
@@ -459,6 +466,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     build_cmd.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="successors kept per (w1, w2) key")
     build_cmd.add_argument("--jsonl-fields", default=",".join(DEFAULT_JSONL_FIELDS),
                            help="jsonl: fields tried in order, the first holding a string is the document")
+    build_cmd.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                           help="skip files under a directory argument whose relative path matches "
+                                "(fnmatch; repeatable), e.g. '*/tests/*'")
     build_cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
     build_cmd.add_argument("files", nargs="+", help=f"files or directories ({', '.join(TEXT_SUFFIXES)}, also .gz)")
     info_cmd = commands.add_parser("info", help="show a matrix's tokenizer, size and coverage")
@@ -469,7 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.top_k < 1:
                 parser.error("--top-k must be at least 1")
             matrix = build(args.files, load_tokenizer(args.tokenizer), args.top_k,
-                           tuple(f for f in args.jsonl_fields.split(",") if f), progress=not args.no_progress)
+                           tuple(f for f in args.jsonl_fields.split(",") if f), progress=not args.no_progress,
+                           exclude=args.exclude)
             matrix.save(args.out)
             print(format_report(matrix.meta, args.out))
         else:

@@ -1,0 +1,160 @@
+"""Speculative beam search: vLLM's beam search output, fewer target passes.
+
+Also the mechanism under it: a draft tree appended to a prompt is scored in
+one prefill exactly as linear prompts would be, and its cache blocks never
+serve another request.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import make_prompts
+
+DEPTH = 3
+
+
+def dsbd(draft: str) -> dict:
+    return {"method": "dsbd", "model": draft, "num_speculative_tokens": DEPTH, "max_nodes": 16}
+
+
+ENGINE = {"block_size": 32, "enable_prefix_caching": True, "enable_chunked_prefill": False}
+
+
+@pytest.fixture(scope="module")
+def llm(engines, tmp_path_factory):
+    """Target: the session's tiny model; draft: the same weights with more
+    attention mixing, so the draft's beams are often, not always, the target's."""
+    from tiny_model import build_tiny_model
+
+    draft = build_tiny_model(tmp_path_factory.mktemp("tiny-near-draft"), seed=0, mixing=0.007)
+    return engines.get(dsbd(str(draft)), **ENGINE)
+
+
+def top_logprobs(output, k: int) -> dict[int, float]:
+    return {t: lp.logprob for t, lp in output.items() if lp.rank <= k}
+
+
+# ---------------------------------------------------------------- tree prompts
+def test_tree_prompt_rows_equal_linear_prompts(llm):
+    """Every row of a tree appended to a prompt has the distribution the
+    target gives the linear prompt ending at that node."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_specbeam import tree_prompt
+    from vllm_specbeam.tree import ROOT, DraftTree
+
+    k = 6
+    prompt = llm.get_tokenizer().encode(make_prompts(4)[2])
+    tree = DraftTree([11, 12, 13, 14, 15, 16], [ROOT, 0, ROOT, 2, 2, 1])  # two branches, a fork, depths 1-3
+    scored = llm.generate([TokensPrompt(prompt_token_ids=prompt + tree.tokens.tolist())],
+                          SamplingParams(**tree_prompt.request_params(tree.parents, k)), use_tqdm=False)[0]
+    rows = tree_prompt.row_logprobs(scored, tree.num_nodes)
+    paths = [[]] + [tree.tokens[tree.path_to(n)].tolist() for n in range(tree.num_nodes)]
+    linear = llm.generate([TokensPrompt(prompt_token_ids=prompt + p) for p in paths],
+                          SamplingParams(max_tokens=1, temperature=0.0, logprobs=k), use_tqdm=False)
+    assert len(rows) == len(paths) == 7
+    for row, reference in zip(rows, linear):
+        expected = top_logprobs(reference.outputs[0].logprobs[0], k)
+        got = top_logprobs(row, k)
+        assert set(got) == set(expected)
+        for token, logprob in expected.items():
+            assert got[token] == pytest.approx(logprob, abs=2e-4)
+
+
+def test_tree_rows_never_serve_a_linear_prompt_from_the_cache(llm):
+    """A linear prompt with the same tokens as a scored tree (flattened) must
+    not reuse the tree's cache blocks: their keys have tree positions."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_specbeam import tree_prompt
+    from vllm_specbeam.tree import ROOT
+
+    prompt = llm.get_tokenizer().encode(make_prompts(5)[3])
+    # 40 tree rows: the flattened tree fills a whole cache block (block size 32)
+    parents = [ROOT if i % 4 == 0 else i - 1 for i in range(40)]  # ten branches of four
+    tokens = [3 + (7 * i) % 97 for i in range(40)]
+    k = 4
+    llm.generate([TokensPrompt(prompt_token_ids=prompt + tokens)],
+                 SamplingParams(**tree_prompt.request_params(parents, k)), use_tqdm=False)
+    linear = TokensPrompt(prompt_token_ids=prompt + tokens)
+    cached = llm.generate([linear], SamplingParams(max_tokens=1, temperature=0.0, logprobs=k), use_tqdm=False)[0]
+    fresh = llm.generate([linear], SamplingParams(max_tokens=1, temperature=0.0, logprobs=k,
+                                                  skip_reading_prefix_cache=True), use_tqdm=False)[0]
+    expected = top_logprobs(fresh.outputs[0].logprobs[0], k)
+    got = top_logprobs(cached.outputs[0].logprobs[0], k)
+    assert set(got) == set(expected)
+    assert all(got[t] == pytest.approx(v, abs=2e-4) for t, v in expected.items())
+
+
+def test_bad_tree_prompt_fails_that_request_only(llm):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_specbeam.tree_prompt import TREE_PARENTS_KEY
+
+    bad = {
+        "topological order": SamplingParams(max_tokens=1, prompt_logprobs=2, skip_reading_prefix_cache=False,
+                                            extra_args={TREE_PARENTS_KEY: [0]}),
+        "needs prompt_logprobs": SamplingParams(max_tokens=1, extra_args={TREE_PARENTS_KEY: [-1]}),
+        "must be a list of ints": SamplingParams(max_tokens=1, extra_args={TREE_PARENTS_KEY: "x"}),
+    }
+    for message, params in bad.items():
+        with pytest.raises(VLLMValidationError, match=f"vllm-specbeam: .*{message}"):
+            llm.generate(["w1 w2 w3"], params, use_tqdm=False)
+    assert llm.generate(["w1 w2 w3"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0].outputs[0].token_ids
+
+
+# ---------------------------------------------------------------- the search
+def assert_same_search(ours, theirs) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        for x, y in zip(a.sequences, b.sequences):
+            assert x.cum_logprob == pytest.approx(y.cum_logprob, abs=1e-3)
+            assert x.text == y.text and len(x.logprobs) == len(y.logprobs)
+
+
+@pytest.mark.parametrize("width,ignore_eos", [(2, True), (3, False)])
+def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos):
+    from vllm.sampling_params import BeamSearchParams
+
+    from vllm_specbeam.beam_search import SpeculativeBeamSearch
+
+    prompts = make_prompts(5)
+    params = BeamSearchParams(beam_width=width, max_tokens=24, ignore_eos=ignore_eos)
+    search = SpeculativeBeamSearch(llm)
+    ours = search.run(prompts, params)
+    assert_same_search(ours, llm.beam_search(prompts, params))
+    assert search.stats.steps == 24 * len(prompts) or not ignore_eos
+    # some drafted depths were accepted and some not: the comparison has teeth
+    assert 1 < search.stats.steps_per_round < DEPTH + 1
+
+
+def test_draft_equal_to_target_advances_the_whole_depth(engines, tiny_model):
+    from vllm.sampling_params import BeamSearchParams
+
+    from vllm_specbeam.beam_search import SpeculativeBeamSearch
+
+    llm = engines.get(dsbd(tiny_model), **ENGINE)
+    prompts = make_prompts(3)
+    params = BeamSearchParams(beam_width=2, max_tokens=20, ignore_eos=True)
+    search = SpeculativeBeamSearch(llm)
+    assert_same_search(search.run(prompts, params), llm.beam_search(prompts, params))
+    assert search.stats.steps_per_round >= DEPTH  # (DEPTH + 1) per round but for float near-ties
+    assert search.stats.rounds <= math.ceil(20 / DEPTH)
+
+
+def test_speculative_beam_search_refuses_what_it_cannot_do(engines, llm):
+    from vllm.sampling_params import BeamSearchParams
+
+    from vllm_specbeam.beam_search import SpeculativeBeamSearch
+    from vllm_specbeam.config import SpecbeamConfigError
+
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        SpeculativeBeamSearch(llm).run(["w1 w2"], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5))
+    with pytest.raises(SpecbeamConfigError, match="dsbd"):
+        SpeculativeBeamSearch(engines.get(None))
