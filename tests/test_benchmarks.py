@@ -121,6 +121,26 @@ def test_schema_best_setting_and_table(tmp_path):
         metrics.validate_result(bad_status)
 
 
+def test_beam_table_lists_every_width_side_by_side():
+    assert metrics.beam_table(synthetic_runs()) == ""  # no beam search ran: no table
+
+    def beam(method, width, tps, steps_per_token=None, speedup=None, exact=None):
+        return {"method": method, "setting": {"beam_width": width}, "setting_label": f"w{width}", "batch_size": 1,
+                "tokens_per_s": tps, "speedup_vs_beam_search": speedup, "steps_per_output_token": steps_per_token,
+                "draft_time_share": None, "mean_loglik_per_token": -0.5, "exact_match": exact}
+
+    runs = [beam(compare.SPEC_BEAM, 4, 3.0, 0.25, 1.5, 1.0), beam("beam_search", 4, 2.0, speedup=1.0),
+            beam("beam_search", 2, 4.0, speedup=1.0), beam(compare.SPEC_BEAM, 2, 6.0, 0.5, 1.5, 1.0)]
+    rows = [line for line in metrics.beam_table(runs).splitlines() if line.startswith("| 1 ")]
+    # widths in order, vLLM's first; 1 / steps-per-token = tokens per target pass (vLLM's: 1)
+    assert rows == [
+        "| 1 | beam_search | w2 | 4.0 | 1.00 | 1.00 | – | -0.500 | – |",
+        f"| 1 | {compare.SPEC_BEAM} | w2 | 6.0 | 1.50 | 2.00 | – | -0.500 | 1.00 |",
+        "| 1 | beam_search | w4 | 2.0 | 1.00 | 1.00 | – | -0.500 | – |",
+        f"| 1 | {compare.SPEC_BEAM} | w4 | 3.0 | 1.50 | 4.00 | – | -0.500 | 1.00 |",
+    ]
+
+
 def test_humaneval_pass_rate_runs_the_tests():
     prompts = load_prompts("humaneval", 2)
     runs = [{"texts": [p.problem["canonical_solution"] + "\ndef extra():\n    pass" for p in prompts]},
