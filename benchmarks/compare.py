@@ -419,6 +419,7 @@ def run_worker(job: dict[str, Any], log: Path, bar: Any) -> tuple[int, float]:
     job_file = Path(job["result"]).with_suffix(".job.json")
     job_file.write_text(json.dumps(job))
     progress = Path(job["progress"])
+    progress.unlink(missing_ok=True)  # a previous run's count into the same --out
     seen = 0
 
     def advance() -> None:
