@@ -234,12 +234,12 @@ class TreeRunnerMixin:
             root_row = int(self.query_start_loc.np[index]) + before_root
             self._verifying.append((req_id, index, root_row, tree))
             context_lens.append(int(self.input_batch.num_computed_tokens_cpu[index]) + before_root)
-        entries = [(index, root_row, tree) for _, index, root_row, tree in self._verifying]
-        entries += self._prompt_tree_entries(num_scheduled_tokens, context_lens)
+        entries = [(index, row, context, tree) for (_, index, row, tree), context in zip(self._verifying, context_lens)]
+        entries += self._prompt_tree_entries(num_scheduled_tokens)
         if not entries:
             self._tree_step = None
             return result
-        step = self._build_tree_step(entries, context_lens, scheduler_output.total_num_scheduled_tokens)
+        step = self._build_tree_step(entries, scheduler_output.total_num_scheduled_tokens)
         # Slots were computed from the linear positions above and stay linear;
         # only the positions the model sees (RoPE) become context + depth.
         self.positions[step.node_rows.to(self.positions.device)] = step.node_positions.to(
@@ -248,9 +248,9 @@ class TreeRunnerMixin:
         self._tree_step = step
         return result
 
-    def _prompt_tree_entries(self, num_scheduled_tokens: np.ndarray, context_lens: list[int]) -> list[tuple]:
-        """(batch index, root row, tree) of the tree-prompt requests whose tree
-        rows are computed this step; their roots' positions go to ``context_lens``.
+    def _prompt_tree_entries(self, num_scheduled_tokens: np.ndarray) -> list[tuple[int, int, int, DraftTree]]:
+        """(batch index, root row, root position, tree) of the tree-prompt
+        requests whose tree rows are computed this step.
 
         The whole prompt is scheduled in one step: tree-prompt requests are
         admitted only when chunked prefill is off (plugin.py checks).
@@ -263,20 +263,20 @@ class TreeRunnerMixin:
             computed = int(self.input_batch.num_computed_tokens_cpu[index])
             root = self.requests[req_id].num_prompt_tokens - tree.num_nodes - 1
             if computed <= root < computed + int(num_scheduled_tokens[index]):
-                entries.append((index, int(self.query_start_loc.np[index]) + root - computed, tree))
-                context_lens.append(root)
+                entries.append((index, int(self.query_start_loc.np[index]) + root - computed, root, tree))
         return entries
 
     def _build_tree_step(
-        self, entries: list[tuple[int, int, DraftTree]], context_lens: list[int], num_tokens: int
+        self, entries: list[tuple[int, int, int, DraftTree]], num_tokens: int
     ) -> attention.TreeStep | gpu_attention.GpuTreeStep:
         """The attention layers' view of this step's trees, built once per step.
 
-        ``entries``: (batch index, root row, tree) of the verifying requests
-        and of the tree-prompt requests; ``context_lens``: their roots' positions.
+        ``entries``: (batch index, root row, root position, tree) of the
+        verifying requests and of the tree-prompt requests.
         """
-        indices = [index for index, _, _ in entries]
-        root_rows = [row for _, row, _ in entries]
+        indices = [index for index, *_ in entries]
+        root_rows = [row for _, row, _, _ in entries]
+        context_lens = [context for _, _, context, _ in entries]
         trees = [tree for *_, tree in entries]
         if self.device.type == "cpu":
             return attention.TreeStep.build(indices, root_rows, context_lens, trees)
