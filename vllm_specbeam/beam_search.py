@@ -51,7 +51,7 @@ import torch
 from vllm_specbeam import tree_prompt
 from vllm_specbeam.config import SpecbeamConfig, SpecbeamConfigError
 from vllm_specbeam.draft_model import ROOT as DRAFT_ROOT
-from vllm_specbeam.draft_model import DraftModelRuntime
+from vllm_specbeam.draft_model import DraftModelRuntime, common_prefix
 from vllm_specbeam.tree import ROOT, DraftTree
 
 _SEARCH_IDS = itertools.count()
@@ -308,9 +308,8 @@ def beam_search(llm: Any, prompts: Sequence[Any], params: Any, num_speculative_t
 
 def _common_prefix_len(sequences: Sequence[Sequence[int]]) -> int:
     """Length of the tokens every sequence starts with (at least the prompt)."""
-    first = sequences[0]
-    length = min(len(s) for s in sequences)
-    return next((i for i in range(length) if any(s[i] != first[i] for s in sequences)), length)
+    first = list(sequences[0])
+    return min(common_prefix(first, list(s)) for s in sequences)
 
 
 def _walk(tree: DraftTree, path: Sequence[int]) -> int:

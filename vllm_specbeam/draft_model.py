@@ -167,7 +167,7 @@ class DraftModelRuntime:
             self.remove([req_id])
             return None
         seq = self._sequences.get(req_id)
-        keep = 0 if seq is None else _common_prefix(seq.tokens, tokens)
+        keep = 0 if seq is None else common_prefix(seq.tokens, tokens)
         keep = min(keep, len(tokens) - 1)  # the last token is always fed: its logits are the answer
         if seq is None or keep == 0:
             seq = self._sequences[req_id] = _Sequence(self._new_cache())
@@ -257,7 +257,7 @@ class DraftModelRuntime:
         return logits + self._logit_mask
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix; the usual case (``b`` extends ``a``) is one C-level compare."""
     if len(a) <= len(b) and a == b[: len(a)]:
         return len(a)
