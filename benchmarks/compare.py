@@ -644,6 +644,7 @@ def assemble(args: argparse.Namespace, engines: list[EngineSpec], records: list[
                 "tokens_per_s": metrics.median(tps), "tokens_per_s_runs": tps, "wall_s_runs": record["wall_s"],
                 "speedup": None, "output_tokens": record["output_tokens_runs"][0], "requests": len(record["outputs"]),
                 "accepted_per_step": figures.accepted_per_step, "acceptance_rate": figures.acceptance_rate,
+                "mean_width": metrics.ratio(counters.get("tree_beam_width_sum"), counters.get("tree_beam_depths")),
                 "steps_per_output_token": figures.steps_per_output_token,
                 "draft_time_share": draft_seconds / sum(record["wall_s"]) if draft_seconds is not None else None,
                 "peak_rss_mib": rss[engine.id], "mean_loglik_per_token": metrics.mean_loglik_per_token(record["logliks"]),

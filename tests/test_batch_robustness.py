@@ -5,8 +5,10 @@ in ``test_lookup_tree_engine.py``).
 One engine with a small KV cache (six 128-token blocks for ten requests of
 up to 400 tokens) and a 64-token step budget, so long prompts are
 prefilled in chunks beside other requests' tree steps and requests get
-preempted and resumed. ``aded`` keeps per-request drafter state, which must be
-freed whatever way a request leaves.
+preempted and resumed. ``aded`` (tri-gram overlays) and ``dsbd`` (draft-model
+KV caches) keep per-request drafter state, which must be freed whatever way
+a request leaves; ``dsbd`` at width 1 is greedy-exact, so both are checked
+for exact output too.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ MAX_TOKENS = 96
 
 def _live_state(worker) -> dict[str, int]:
     runner = worker.model_runner
-    return {"proposed": len(runner._proposed), "drafter": len(runner.tree_drafter._requests)}
+    return {"proposed": len(runner._proposed), "drafter": runner.tree_drafter.live_requests}
 
 
-@pytest.fixture(scope="module")
-def tight(engines):
-    return engines.get(ADED, **TIGHT)
+@pytest.fixture(scope="module", params=["aded", "dsbd"])
+def tight(request, engines, tiny_draft):
+    if request.param == "aded":
+        return engines.get(ADED, **TIGHT)
+    return engines.get({"method": "dsbd", "model": tiny_draft, "num_speculative_tokens": 3, "max_nodes": 12,
+                        "max_width": 1}, **TIGHT)
 
 
 def test_preemption_and_chunked_prefill_keep_greedy_exact(engines, tight):

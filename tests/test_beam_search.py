@@ -24,13 +24,9 @@ ENGINE = {"block_size": 32, "enable_prefix_caching": True, "enable_chunked_prefi
 
 
 @pytest.fixture(scope="module")
-def llm(engines, tmp_path_factory):
-    """Target: the session's tiny model; draft: the same weights with more
-    attention mixing, so the draft's beams are often, not always, the target's."""
-    from tiny_model import build_tiny_model
-
-    draft = build_tiny_model(tmp_path_factory.mktemp("tiny-near-draft"), seed=0, mixing=0.007)
-    return engines.get(dsbd(str(draft)), **ENGINE)
+def llm(engines, near_draft):
+    """Target: the session's tiny model; draft: one whose beams are often, not always, the target's."""
+    return engines.get(dsbd(near_draft), **ENGINE)
 
 
 def top_logprobs(output, k: int) -> dict[int, float]:
@@ -124,14 +120,20 @@ def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos)
 
     from vllm_specbeam.beam_search import SpeculativeBeamSearch
 
-    prompts = make_prompts(5)
+    prompts = make_prompts(5, seed=1)  # at width 3, prompt 0 has EOS-completed beams among its best
     params = BeamSearchParams(beam_width=width, max_tokens=24, ignore_eos=ignore_eos)
     search = SpeculativeBeamSearch(llm)
+    forward, batches = search.runtime._forward, []
+    search.runtime._forward = lambda feeds, last_only: batches.append(len(feeds)) or forward(feeds, last_only)
     ours = search.run(prompts, params)
-    assert_same_search(ours, llm.beam_search(prompts, params))
+    theirs = llm.beam_search(prompts, params)
+    assert_same_search(ours, theirs)
     assert search.stats.steps == 24 * len(prompts) or not ignore_eos
+    assert ignore_eos or any(s.tokens[-1] == llm.get_tokenizer().eos_token_id for o in theirs for s in o.sequences)
     # some drafted depths were accepted and some not: the comparison has teeth
     assert 1 < search.stats.steps_per_round < DEPTH + 1
+    # the prompts are drafted together: one draft forward per depth for all of them
+    assert max(batches) == len(prompts) and len(batches) < search.stats.rounds * (DEPTH + 1) + len(prompts)
 
 
 def test_draft_equal_to_target_advances_the_whole_depth(engines, tiny_model):
@@ -158,3 +160,30 @@ def test_speculative_beam_search_refuses_what_it_cannot_do(engines, llm):
         SpeculativeBeamSearch(llm).run(["w1 w2"], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5))
     with pytest.raises(SpecbeamConfigError, match="dsbd"):
         SpeculativeBeamSearch(engines.get(None))
+
+
+def test_server_path_speculates_only_where_it_is_exact():
+    """Which use_beam_search requests the server's patched method sends to the
+    speculative search (``None``) and which to vLLM's own loop (a reason)."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import BeamSearchParams
+
+    from vllm_specbeam.beam_search_server import fallback_reason
+
+    def client(method="dsbd", chunked=False, prefix=True):
+        extra = {} if method is None else {"specbeam": {"method": method}}
+        return SimpleNamespace(vllm_config=SimpleNamespace(
+            additional_config=extra, scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked),
+            cache_config=SimpleNamespace(enable_prefix_caching=prefix)))
+
+    greedy, sampled = BeamSearchParams(beam_width=2, max_tokens=4), BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                                     temperature=1.0)
+    tokens = {"type": "token", "prompt_token_ids": [1, 2]}
+    assert fallback_reason(client(), tokens, greedy) is None
+    assert fallback_reason(client(None), tokens, greedy) == "no vllm-specbeam method"
+    assert "dsbd method" in fallback_reason(client("aded"), tokens, greedy)
+    assert "chunked prefill" in fallback_reason(client(chunked=True), tokens, greedy)
+    assert "prefix cach" in fallback_reason(client(prefix=False), tokens, greedy)
+    assert "temperature" in fallback_reason(client(), tokens, sampled)
+    assert "embeds" in fallback_reason(client(), {"type": "embeds"}, greedy)

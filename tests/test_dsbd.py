@@ -1,4 +1,4 @@
-"""DSBD: width rule and per-depth verification by exact enumeration; greedy and drafter checks.
+"""DSBD: width rule and per-depth verification by exact enumeration; greedy, drafter and batched-drafting checks.
 
 Enumerations run in float64 on joints of 2 beams x 2 tokens, small enough to
 list every drafted sequence and every accept/reject branch.
@@ -12,9 +12,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from test_draft_model import count_forwards
 
 from vllm_specbeam.drafters.base import DraftRequest
-from vllm_specbeam.drafters.dsbd import DsbdDrafter, sampling_probs
+from vllm_specbeam.drafters.dsbd import DsbdDrafter, level_widths, sampling_probs
 from vllm_specbeam.dsbd import (
     BeamForest,
     acceptance_rates,
@@ -244,3 +245,85 @@ def test_drafter_forests_are_valid(models: tuple[str, torch.nn.Module]) -> None:
 def test_sampling_probs_top_p_keeps_the_smallest_sufficient_prefix() -> None:
     probs = sampling_probs(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), 1.0, 0, 0.7)
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+# ---------------------------------------------------------------- batched drafting
+CONTEXTS = {"x": PROMPT, "y": PROMPT[2:] + [61, 7, 33, 12, 90, 4], "z": [9, 9, 40] + PROMPT * 3}
+OVERRIDES = {  # per-request options: widths, depths and nodes differ
+    "x": {"max_width": 3, "num_speculative_tokens": 3, "max_nodes": 9},
+    "y": {"max_width": 2, "num_speculative_tokens": 2, "max_nodes": 12},
+    "z": {"max_width": 4, "num_speculative_tokens": 4, "max_nodes": 14, "top_k": 20},
+}
+
+
+def batch(drafter: DsbdDrafter, temperatures: dict[str, float], extra: int = 0) -> list[DraftRequest]:
+    """One request per context (with ``extra`` more committed tokens), each with its own options."""
+    return [
+        DraftRequest(r, np.asarray(CONTEXTS[r] + PROMPT[:extra]), {**drafter.options, **OVERRIDES[r]}, temperature=t)
+        for r, t in temperatures.items()
+    ]
+
+
+def path_tokens(forest: BeamForest, node: int) -> list[int]:
+    """Tokens from the root to ``node`` (none for the root)."""
+    return forest.tokens[forest.path_to(node)].tolist()
+
+
+def draft_row(model: torch.nn.Module, request: DraftRequest, tokens: list[int]) -> np.ndarray:
+    """The request's draft distribution after ``tokens``, encoded from scratch."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokens])).logits[0, -1:].float()
+    options = request.options
+    return sampling_probs(logits, request.temperature, options["top_k"], options["top_p"])[0].numpy()
+
+
+def test_greedy_forests_of_a_batch_equal_one_at_a_time(
+    models: tuple[str, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    draft, _ = models
+    together, alone = make_drafter(draft), make_drafter(draft)
+    forwards = count_forwards(together.runtime, monkeypatch)
+    greedy = {"x": 0.0, "y": 0.0, "z": 0.0}
+    for extra in (0, 3):  # a second step: caches rolled back and extended
+        del forwards[:]
+        batched = together.propose(batch(together, greedy, extra))
+        # one forward for the sync, then one per depth over the requests still drafting
+        assert forwards == [3, 3, 2, 1]
+        for request, forest in zip(batch(alone, greedy, extra), batched):
+            single = alone.propose([request])[0]
+            np.testing.assert_array_equal(forest.tokens, single.tokens)
+            np.testing.assert_array_equal(forest.parents, single.parents)
+            assert forest.max_depth == request.options["num_speculative_tokens"]
+
+
+def test_sampled_forests_of_a_batch_draw_from_the_draft_model(
+    models: tuple[str, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mixed sampled and greedy requests in one batch: every draft row is the
+    draft model's distribution at the node's parent, encoded from scratch."""
+    draft, _ = models
+    temperatures = {"x": 0.7, "y": 0.0, "z": 1.3}
+    drafter = make_drafter(draft, seed=5)
+    forwards = count_forwards(drafter.runtime, monkeypatch)
+    forests = dict(zip(temperatures, drafter.propose(batch(drafter, temperatures))))
+    assert forwards == [3, 3, 2, 1]
+    model = drafter.runtime.model
+    for request in batch(drafter, temperatures):
+        forest, options = forests[request.req_id], request.options
+        context = request.token_ids.tolist()
+        widths = level_widths(options["num_speculative_tokens"], options["max_width"], options["max_nodes"])
+        assert forest.num_nodes == sum(widths) and forest.max_depth == len(widths)
+        if not request.temperature:
+            assert forest.draft_probs is None
+            continue
+        assert (forest.draft_probs[np.arange(forest.num_nodes), forest.tokens] > 0).all()
+        for node, parent in enumerate(forest.parents):
+            expected = draft_row(model, request, context + path_tokens(forest, int(parent)))
+            np.testing.assert_allclose(forest.draft_probs[node], expected, atol=1e-5)
+            if forest.depths[node] < forest.max_depth:
+                expected = draft_row(model, request, context + path_tokens(forest, node))
+                np.testing.assert_allclose(forest.next_probs[node], expected, atol=1e-5)
+    again = make_drafter(draft, seed=5).propose(batch(drafter, temperatures))  # the seed fixes every draw
+    for forest, repeat in zip(forests.values(), again):
+        np.testing.assert_array_equal(forest.tokens, repeat.tokens)
+        np.testing.assert_array_equal(forest.parents, repeat.parents)

@@ -137,4 +137,7 @@ def test_dsbd_width_one_greedy_equals_no_speculation(engines, tiny_draft, prompt
             "min_width": 1, "max_width": 1}
     llm = engines.get(spec)
     assert token_ids(llm.generate(prompts, greedy())) == reference
-    assert runner_stats(llm)["trees"] > 0
+    stats = runner_stats(llm)
+    assert stats["trees"] > 0
+    # one beam per accepted depth, and the depths are the accepted tokens
+    assert stats["beam_width_sum"] == stats["beam_depths"] == stats["accepted"] > 0

@@ -13,7 +13,10 @@ but a round advances up to ``num_speculative_tokens + 1`` tokens:
    scores starting from the target beams' own: a forest, one tree per beam.
    The draft keeps one KV cache per prompt: the beams' common prefix is
    encoded once and their differing tails are tree nodes below it
-   (:class:`~vllm_specbeam.draft_model.DraftModelRuntime`).
+   (:class:`~vllm_specbeam.draft_model.DraftModelRuntime`); all prompts are
+   drafted together, one batched draft forward per depth, by the same beam
+   search the in-engine ``dsbd`` drafter runs at temperature 0
+   (:class:`~vllm_specbeam.drafters.dsbd.DraftBeamSearch`).
 2. **Score.** Every beam of every prompt is submitted once with its tree
    appended (:mod:`vllm_specbeam.tree_prompt`): one target pass scores the
    whole forest, and the beams share their prompt's KV blocks through vLLM's
@@ -28,6 +31,9 @@ So the output is vLLM's beam search's output, computed with fewer target
 passes; only the tree rows' floating-point rounding differs from a plain
 prefill, which can flip exact ties. Deterministic beam search only
 (``temperature=0``), as the comparison with ``LLM.beam_search`` needs.
+:class:`Selection` holds the two ways vLLM selects (offline and server);
+:mod:`vllm_specbeam.beam_search_server` runs these rounds for the OpenAI
+server's ``use_beam_search``.
 
 Use it on an engine started with the ``dsbd`` method (its ``model`` is the
 draft; ``num_speculative_tokens`` the draft depth)::
@@ -40,8 +46,9 @@ draft; ``num_speculative_tokens`` the draft depth)::
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +57,8 @@ import torch
 
 from vllm_specbeam import tree_prompt
 from vllm_specbeam.config import SpecbeamConfig, SpecbeamConfigError
-from vllm_specbeam.draft_model import ROOT as DRAFT_ROOT
-from vllm_specbeam.draft_model import DraftModelRuntime, common_prefix
+from vllm_specbeam.draft_model import DraftModelRuntime, common_prefix, placement
+from vllm_specbeam.drafters.dsbd import DraftBeamSearch, draft_beams
 from vllm_specbeam.tree import ROOT, DraftTree
 
 _SEARCH_IDS = itertools.count()
@@ -78,6 +85,94 @@ class BeamSearchStats:
         return self.steps / self.prompt_rounds if self.prompt_rounds else 0.0
 
 
+@dataclass(frozen=True)
+class Selection:
+    """How a vLLM beam-search step picks its survivors and completes EOS beams.
+
+    vLLM 0.32.0's offline search (entrypoints/generate/beam_search/offline.py)
+    and its server's (online.py) differ in details that can change the
+    returned beams, so each is replayed as written: offline keeps the ``W``
+    best candidates by the length-penalised score in a stable sort and keeps
+    EOS in completed beams; online takes the ``W`` best cumulative logprobs
+    through ``numpy.argpartition`` and drops EOS from completed beams unless
+    ``include_stop_str_in_output``.
+    """
+
+    width: int
+    #: the EOS token that completes a beam (``None`` with ``ignore_eos``)
+    eos: int | None
+    sort_key: Callable[[Any], float]
+    online: bool = False
+    include_eos: bool = True
+
+    @classmethod
+    def offline(cls, params: Any, eos_token_id: int | None) -> Selection:
+        from vllm.entrypoints.generate.beam_search.utils import create_sort_beams_key_function
+
+        return cls(params.beam_width, None if params.ignore_eos else eos_token_id,
+                   create_sort_beams_key_function(eos_token_id, params.length_penalty))
+
+    @classmethod
+    def server(cls, params: Any, eos_token_id: int | None) -> Selection:
+        from vllm.entrypoints.generate.beam_search.utils import create_sort_beams_key_function
+
+        return cls(params.beam_width, None if params.ignore_eos else eos_token_id,
+                   create_sort_beams_key_function(eos_token_id, params.length_penalty),
+                   online=True, include_eos=params.include_stop_str_in_output)
+
+    def survivors(self, candidates: list[_Frontier]) -> list[_Frontier]:
+        if not self.online:
+            return sorted(candidates, key=lambda c: self.sort_key(c.seq), reverse=True)[: self.width]
+        scores = np.fromiter((c.seq.cum_logprob for c in candidates), dtype=np.float64, count=len(candidates))
+        if len(candidates) <= self.width:
+            order = np.argsort(-scores)
+        else:
+            order = np.argpartition(-scores, self.width - 1)[: self.width]
+            order = order[np.argsort(-scores[order])]
+        return [candidates[int(i)] for i in order]
+
+    def complete(self, seq: Any) -> Any:
+        """The completed form of a beam that just drew EOS."""
+        if self.online:
+            if not self.include_eos:
+                seq.tokens = seq.tokens[:-1]
+            seq.finish_reason, seq.stop_reason = "stop", self.eos
+        return seq
+
+    def best(self, state: Any) -> list[Any]:
+        """The ``W`` best of the completed and live beams, as the search returns them."""
+        return sorted(state.completed + state.beams, key=self.sort_key, reverse=True)[: self.width]
+
+
+def check_params(params: Any) -> None:
+    """Refuse what the speculative search cannot replay exactly."""
+    if params.temperature != 0:
+        raise ValueError(
+            f"speculative beam search is deterministic: BeamSearchParams.temperature must be 0, "
+            f"got {params.temperature}"
+        )
+    if getattr(params, "structured_outputs", None) is not None:
+        raise ValueError("speculative beam search does not support structured outputs; use LLM.beam_search")
+
+
+def engine_problem(vllm_config: Any) -> str | None:
+    """Why this engine cannot run a speculative beam search, or ``None``."""
+    data = (vllm_config.additional_config or {}).get("specbeam")
+    if data is None or data.get("method") != "dsbd":
+        return (
+            "speculative beam search needs an engine started with the dsbd method and a draft model: "
+            "LLM(target, speculative_config={\"method\": \"dsbd\", \"model\": DRAFT})"
+        )
+    if vllm_config.scheduler_config.enable_chunked_prefill:
+        return tree_prompt.CHUNKED_PREFILL
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return (
+            "speculative beam search shares the beams' prompt through vLLM's prefix cache: "
+            "start the engine with enable_prefix_caching=True (--enable-prefix-caching)"
+        )
+    return None
+
+
 @dataclass
 class _Frontier:
     """A live beam during verification: the sequence, the target beam it
@@ -90,7 +185,7 @@ class _Frontier:
 
 
 @dataclass
-class _Instance:
+class PromptSearch:
     """One prompt's search: vLLM's ``BeamSearchInstance`` plus the draft cache key."""
 
     state: Any
@@ -106,95 +201,97 @@ class SpeculativeBeamSearch:
     hold their own copy for in-engine ``dsbd`` requests).
     """
 
-    def __init__(self, llm: Any, num_speculative_tokens: int | None = None, draft_width: int | None = None) -> None:
-        config_data = (llm.llm_engine.vllm_config.additional_config or {}).get("specbeam")
-        config = None if config_data is None else SpecbeamConfig.from_dict(config_data)
-        if config is None or config.method != "dsbd":
-            raise SpecbeamConfigError(
-                "speculative beam search needs an engine started with the dsbd method and a draft model: "
-                "LLM(target, speculative_config={\"method\": \"dsbd\", \"model\": DRAFT})"
-            )
-        if llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill:
-            raise SpecbeamConfigError(tree_prompt.CHUNKED_PREFILL)
-        if not llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
-            raise SpecbeamConfigError(
-                "speculative beam search shares the beams' prompt through vLLM's prefix cache: "
-                "start the engine with enable_prefix_caching=True"
-            )
-        options = config.options
-        self.llm = llm
+    def __init__(self, engine: Any, num_speculative_tokens: int | None = None, draft_width: int | None = None) -> None:
+        """``engine``: an ``LLM`` (for :meth:`run`) or the server's engine client
+        (an ``AsyncLLM``, for :mod:`vllm_specbeam.beam_search_server`)."""
+        vllm_config = getattr(engine, "llm_engine", engine).vllm_config
+        problem = engine_problem(vllm_config)
+        if problem:
+            raise SpecbeamConfigError(problem)
+        options = SpecbeamConfig.from_dict(vllm_config.additional_config["specbeam"]).options
+        self.engine = engine
         self.depth = num_speculative_tokens or options["num_speculative_tokens"]
         self.draft_width = draft_width
         if self.depth < 1 or (draft_width is not None and draft_width < 1):
             raise ValueError("num_speculative_tokens and draft_width must be at least 1")
+        device, dtype = placement(options["draft_device"], options["draft_dtype"],
+                                  vllm_config.device_config.device, vllm_config.model_config.dtype)
         self.runtime = DraftModelRuntime(
             options["draft_model"],
-            target_vocab_size=llm.llm_engine.vllm_config.model_config.get_vocab_size(),
-            device=options["draft_device"],
-            dtype=options["draft_dtype"],
+            target_vocab_size=vllm_config.model_config.get_vocab_size(),
+            device=device,
+            dtype=dtype,
         )
         self.stats = BeamSearchStats()
+        #: one search drafts at a time: the server runs concurrent searches' drafts in threads
+        self._draft_lock = threading.Lock()
 
     # ------------------------------------------------------------ the search
     def run(self, prompts: Sequence[Any], params: Any) -> list[Any]:
         """What ``LLM.beam_search(prompts, params)`` returns (see the module docstring)."""
-        from vllm.entrypoints.generate.beam_search.utils import (
-            BeamSearchInstance,
-            BeamSearchOutput,
-            create_sort_beams_key_function,
-        )
+        from vllm.entrypoints.generate.beam_search.utils import BeamSearchInstance, BeamSearchOutput
 
-        if params.temperature != 0:
-            raise ValueError(
-                f"speculative beam search is deterministic: BeamSearchParams.temperature must be 0, "
-                f"got {params.temperature}"
-            )
-        if params.structured_outputs is not None:
-            raise ValueError("speculative beam search does not support structured outputs; use LLM.beam_search")
-        tokenizer = self.llm.get_tokenizer()
-        eos = None if params.ignore_eos else tokenizer.eos_token_id
-        sort_key = create_sort_beams_key_function(tokenizer.eos_token_id, params.length_penalty)
+        check_params(params)
+        tokenizer = self.engine.get_tokenizer()
+        selection = Selection.offline(params, tokenizer.eos_token_id)
         # vLLM 0.32.0 entrypoints/generate/beam_search/offline.py: the same
         # prompt preprocessing as LLM.beam_search.
-        inputs = self.llm._preprocess_cmpl(list(prompts))
+        inputs = self.engine._preprocess_cmpl(list(prompts))
         search = next(_SEARCH_IDS)
-        instances = [_Instance(BeamSearchInstance(prompt), f"beam-search-{search}-{i}") for i, prompt in enumerate(inputs)]
+        instances = [PromptSearch(BeamSearchInstance(prompt), f"beam-search-{search}-{i}") for i, prompt in enumerate(inputs)]
         try:
-            while True:
-                active = [inst for inst in instances if inst.state.beams and inst.steps < params.max_tokens]
-                if not active:
-                    break
-                self._round(active, params, eos, sort_key)
+            while active := self.active(instances, params):
+                requests = self.draft_round(active, params, selection.eos)
+                prompts_, sampling = zip(*requests)
+                self.verify_round(active, self.engine.generate(list(prompts_), list(sampling), use_tqdm=False),
+                                  params, selection)
         finally:
-            self.runtime.remove(inst.key for inst in instances)
+            self.release(instances)
 
         outputs = []
         for inst in instances:
-            best = sorted(inst.state.completed + inst.state.beams, key=sort_key, reverse=True)[: params.beam_width]
+            best = selection.best(inst.state)
             for beam in best:
                 beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=params.skip_special_tokens)
             outputs.append(BeamSearchOutput(sequences=best))
         return outputs
 
-    def _round(self, active: list[_Instance], params: Any, eos: int | None, sort_key: Any) -> None:
-        """Draft, score and verify one round for every active prompt."""
+    # ------------------------------------------------------------ rounds
+    @staticmethod
+    def active(instances: Sequence[PromptSearch], params: Any) -> list[PromptSearch]:
+        """The prompts still searching: live beams and tokens left."""
+        return [inst for inst in instances if inst.state.beams and inst.steps < params.max_tokens]
+
+    def release(self, instances: Sequence[PromptSearch]) -> None:
+        """Free the draft caches of finished (or abandoned) searches."""
+        with self._draft_lock:
+            self.runtime.remove(inst.key for inst in instances)
+
+    def draft_round(self, active: list[PromptSearch], params: Any, eos: int | None) -> list[tuple[Any, Any]]:
+        """Draft every active prompt's forest; one (prompt, ``SamplingParams``)
+        per target beam: the beam with its tree appended."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         num_logprobs = 2 * params.beam_width
         requests = []
+        start = time.perf_counter()
+        with self._draft_lock:
+            depths = [min(self.depth, params.max_tokens - inst.steps - 1) for inst in active]
+            self._draft(active, depths, self.draft_width or num_logprobs, eos)
+        self.stats.draft_seconds += time.perf_counter() - start
         for inst in active:
-            depth = min(self.depth, params.max_tokens - inst.steps - 1)
-            start = time.perf_counter()
-            inst.trees = self._draft(inst, depth, self.draft_width or num_logprobs, eos)
-            self.stats.draft_seconds += time.perf_counter() - start
             for beam, tree in zip(inst.state.beams, inst.trees):
                 prompt = TokensPrompt(prompt_token_ids=list(beam.tokens) + tree.tokens.tolist())
                 if beam.orig_prompt.get("cache_salt"):
                     prompt["cache_salt"] = beam.orig_prompt["cache_salt"]
                 requests.append((prompt, SamplingParams(**tree_prompt.request_params(tree.parents, num_logprobs))))
                 self.stats.draft_nodes += tree.num_nodes
-        results = self.llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+        return requests
+
+    def verify_round(self, active: list[PromptSearch], results: Sequence[Any], params: Any, selection: Selection) -> None:
+        """Advance every active prompt by the steps its scored forest settles;
+        ``results`` are the target's outputs for :meth:`draft_round`'s requests, in order."""
         self.stats.rounds += 1
         position = 0
         for inst in active:
@@ -202,65 +299,45 @@ class SpeculativeBeamSearch:
             for tree in inst.trees:
                 rows.append(tree_prompt.row_logprobs(results[position], tree.num_nodes))
                 position += 1
-            done = self._verify(inst, rows, params, eos, sort_key)
+            done = self._verify(inst, rows, params, selection)
             inst.steps += done
             self.stats.steps += done
             self.stats.prompt_rounds += 1
 
     # ------------------------------------------------------------ draft
     @torch.inference_mode()
-    def _draft(self, inst: _Instance, depth: int, width: int, eos: int | None) -> list[DraftTree]:
-        """One tree per live beam: the draft's beam search, ``width`` pairs per depth."""
-        beams = inst.state.beams
-        if depth < 1:
-            return [DraftTree.empty() for _ in beams]
-        tokens = [list(b.tokens) for b in beams]
-        common = _common_prefix_len(tokens)
-        logits = self.runtime.sync(inst.key, tokens[0][:common])
-        tails = DraftTree.from_paths(t[common:] for t in tokens)
-        ends = [_walk(tails, t[common:]) for t in tokens]
-        if tails.num_nodes:
-            tail_logits = self.runtime.extend(inst.key, tails.tokens.tolist(), tails.parents.tolist())
-            logits = torch.stack([logits if end == ROOT else tail_logits[end] for end in ends])
-        else:
-            logits = logits.unsqueeze(0).expand(len(beams), -1)
-        # live draft beams: (target beam, path below it, draft cache node)
-        live = [(b, (), DRAFT_ROOT if end == ROOT else end) for b, end in enumerate(ends)]
-        scores = torch.tensor([b.cum_logprob for b in beams], dtype=torch.float32)
-        cache_nodes = tails.num_nodes
-        drafted: list[list[tuple[tuple[int, ...], float]]] = [[] for _ in beams]
-        vocab = logits.shape[-1]
-        for level in range(depth):
-            joint = scores[:, None] + torch.log_softmax(logits, dim=-1)
-            if eos is not None:
-                joint[:, eos] = float("-inf")  # an EOS candidate ends its beam, it is never extended
-            best = torch.topk(joint.reshape(-1), min(width, int(torch.isfinite(joint).sum()))).indices
-            if not best.numel():
-                break
-            parents, chosen = best // vocab, best % vocab
-            live = [(live[p][0], live[p][1] + (int(x),), live[p][2]) for p, x in zip(parents.tolist(), chosen.tolist())]
-            scores = joint.reshape(-1)[best]
-            for (beam, path, _), score in zip(live, scores.tolist()):
-                drafted[beam].append((path, score))
-            if level + 1 < depth:
-                logits = self.runtime.extend(inst.key, chosen.tolist(), [node for *_, node in live])
-                live = [(beam, path, cache_nodes + i) for i, (beam, path, _) in enumerate(live)]
-                cache_nodes += len(live)
-        top = max((s for nodes in drafted for _, s in nodes), default=0.0)
-        return [
-            DraftTree.from_weighted_paths([p for p, _ in nodes], [np.exp(s - top) for _, s in nodes], len(nodes))
-            for nodes in drafted
-        ]
+    def _draft(self, active: list[PromptSearch], depths: list[int], width: int, eos: int | None) -> None:
+        """Set every prompt's ``trees``: one per live beam, from the draft's beam
+        search over all the prompt's beams, ``width`` pairs per depth. All
+        prompts are drafted together: one batched draft forward per depth."""
+        starts = []
+        for inst in active:
+            tokens = [list(b.tokens) for b in inst.state.beams]
+            common = _common_prefix_len(tokens)
+            tails = DraftTree.from_paths(t[common:] for t in tokens)
+            starts.append((tokens[0][:common], tails, [_walk(tails, t[common:]) for t in tokens]))
+        at_prefix = self.runtime.sync_many([(inst.key, prefix, 0) for inst, (prefix, _, _) in zip(active, starts)])
+        with_tails = [i for i, (_, tails, _) in enumerate(starts) if tails.num_nodes]
+        at_tails = dict(zip(with_tails, self.runtime.extend_many(
+            [(active[i].key, starts[i][1].tokens.tolist(), starts[i][1].parents.tolist()) for i in with_tails])))
+        searches = []
+        for i, (inst, (_, tails, ends), depth) in enumerate(zip(active, starts, depths)):
+            rows = torch.stack([at_prefix[i] if end == ROOT else at_tails[i][end] for end in ends])
+            scores = torch.tensor([b.cum_logprob for b in inst.state.beams], dtype=torch.float32)
+            # an EOS candidate ends its beam, it is never extended
+            searches.append(DraftBeamSearch(inst.key, [width] * max(depth, 0), rows, ends, scores, tails.num_nodes, eos))
+        draft_beams(self.runtime, [s for s in searches if s.widths], None)
+        for inst, (_, tails, ends), search in zip(active, starts, searches):
+            inst.trees = _beam_trees(search, ends, tails.num_nodes)
 
     # ------------------------------------------------------------ verify
-    def _verify(self, inst: _Instance, rows: list[list[dict[int, Any]]], params: Any, eos: int | None,
-                sort_key: Any) -> int:
+    def _verify(self, inst: PromptSearch, rows: list[list[dict[int, Any]]], params: Any, selection: Selection) -> int:
         """Replay vLLM's beam-search steps on the scored rows; returns the steps done.
 
         ``rows[b]`` holds target beam ``b``'s logprob dicts at its root and
-        tree nodes. vLLM 0.32.0 ``_beam_search_step``: candidates are each
-        beam's returned top ``2W`` tokens, EOS candidates complete, the ``W``
-        best others (stable sort by ``sort_key``) live on.
+        tree nodes. vLLM 0.32.0 ``_beam_search_step`` / online ``beam_search``:
+        candidates are each beam's returned top ``2W`` tokens, EOS candidates
+        complete, the ``W`` best others live on (:class:`Selection`).
         """
         from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
@@ -284,11 +361,11 @@ class SpeculativeBeamSearch:
                         lora_request=f.seq.lora_request,
                         cum_logprob=f.seq.cum_logprob + logprob.logprob,
                     )
-                    if token == eos:
-                        inst.state.completed.append(seq)
+                    if token == selection.eos:
+                        inst.state.completed.append(selection.complete(seq))
                     else:
                         candidates.append(_Frontier(seq, f.beam, children[f.beam].get((f.node, token))))
-            frontier = sorted(candidates, key=lambda c: sort_key(c.seq), reverse=True)[: params.beam_width]
+            frontier = selection.survivors(candidates)
             steps += 1
         inst.state.beams = [f.seq for f in frontier]
         return steps
@@ -318,3 +395,24 @@ def _walk(tree: DraftTree, path: Sequence[int]) -> int:
     for token in path:
         node = next(int(c) for c in tree.children(node) if tree.tokens[c] == token)
     return node
+
+
+def _beam_trees(search: DraftBeamSearch, ends: list[int], first_node: int) -> list[DraftTree]:
+    """The draft's search split into one tree per target beam (the beam whose
+    end its first node hangs below), nodes weighted by their joint score."""
+    beam_of_end = {end: b for b, end in enumerate(ends)}
+    beam_of: list[int] = []
+    path_of: list[tuple[int, ...]] = []
+    for token, parent in zip(search.tokens, search.parents):
+        own = parent - first_node  # an earlier drafted node, or negative: a target beam's end
+        beam_of.append(beam_of[own] if own >= 0 else beam_of_end[parent])
+        path_of.append((path_of[own] if own >= 0 else ()) + (token,))
+    top = max(search.node_scores, default=0.0)
+    drafted: list[list[int]] = [[] for _ in ends]
+    for node, beam in enumerate(beam_of):
+        drafted[beam].append(node)
+    return [
+        DraftTree.from_weighted_paths([path_of[n] for n in nodes], [np.exp(search.node_scores[n] - top) for n in nodes],
+                                      len(nodes))
+        for nodes in drafted
+    ]

@@ -27,6 +27,10 @@ this file is the list of what the plugin touches. Each patch names the vLLM
    blocks holding the rows of a tree-prompt request's tree get a key of their
    own, so they never serve another request (:mod:`vllm_specbeam.tree_prompt`).
    Done in the engine-core process, where requests are hashed.
+6. ``BeamSearchOnlineMixin.beam_search`` (entrypoints/generate/beam_search/
+   online.py): the OpenAI server's ``use_beam_search`` runs the speculative
+   beam search on ``dsbd`` engines (:mod:`vllm_specbeam.beam_search_server`)
+   and vLLM's own otherwise. Used in the API server's process.
 
 The runner in turn wraps ``CPUAttentionBackendImpl.forward``
 (v1/attention/backends/cpu_attn.py, see :mod:`vllm_specbeam.attention`) and
@@ -78,6 +82,7 @@ def register() -> None:
     _patch_runner_classes()
     _patch_request_validation()
     _patch_block_hashing()
+    _patch_online_beam_search()
     _register_attention_backend()
 
 
@@ -206,3 +211,15 @@ def _patch_block_hashing() -> None:
         patched = tree_prompt.block_hash_extra_keys(stock)
         patched._specbeam = True
         kv_cache_utils.generate_block_hash_extra_keys = patched
+
+
+def _patch_online_beam_search() -> None:
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+
+    from vllm_specbeam import beam_search_server
+
+    # vLLM 0.32.0: the completion and chat serving classes inherit this
+    # method (GenerateBaseServing) and call it for every use_beam_search request.
+    stock = BeamSearchOnlineMixin.beam_search
+    if not getattr(stock, "_specbeam", False):
+        BeamSearchOnlineMixin.beam_search = beam_search_server.patch(stock)

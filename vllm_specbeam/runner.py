@@ -139,7 +139,9 @@ class TreeRunnerMixin:
         self._step_drafts: tuple[list[str], list[list[int]]] | None = None
         #: running totals read by tests and benchmarks (``LLM.collective_rpc``)
         self.tree_stats = {"trees": 0, "nodes": 0, "accepted": 0, "accepted_off_first_branch": 0, "kv_moves": 0,
-                           "draft_seconds": 0.0, "preempted": 0, "block_verified": 0}
+                           "draft_seconds": 0.0, "preempted": 0, "block_verified": 0,
+                           # beam rules: beams kept, summed over accepted depths (mean width = sum / depths)
+                           "beam_width_sum": 0, "beam_depths": 0}
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -391,6 +393,9 @@ class TreeRunnerMixin:
                 )
             if rule is self.chain_verifier:
                 self.tree_stats["block_verified"] += len(chosen)
+            for widths in verdict.widths or ():
+                self.tree_stats["beam_width_sum"] += sum(widths)
+                self.tree_stats["beam_depths"] += len(widths)
             for k, path, tokens in zip(chosen, verdict.accepted, verdict.tokens):
                 results[k] = (path, tokens)
         return results

@@ -134,6 +134,10 @@ class AdedDrafter(TreeDrafter):
             return 0
         return max(0, num_tokens - window) + 2
 
+    @property
+    def live_requests(self) -> int:
+        return len(self._requests)
+
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._requests.pop(req_id, None)

@@ -67,3 +67,8 @@ class TreeDrafter(ABC):
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:  # noqa: B027 - optional hook
         """Free per-request state: the request finished, was aborted or preempted."""
+
+    @property
+    def live_requests(self) -> int:
+        """Requests whose state this drafter holds now (what :meth:`remove_requests` frees)."""
+        return 0

@@ -28,6 +28,8 @@ class Verdict:
     accepted: list[np.ndarray]
     #: per request: tokens to commit (accepted draft tokens, then the target's token)
     tokens: list[list[int]]
+    #: beam rules only: per request, the beams kept at each accepted depth (DSBD's chosen width)
+    widths: list[list[int]] | None = None
 
 
 class TreeVerifier(ABC):

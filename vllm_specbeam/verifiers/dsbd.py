@@ -70,9 +70,9 @@ class DsbdVerifier(TreeVerifier):
             probs = working_precision(target)
             uniforms = draw_uniforms([tree.num_nodes + 1 for tree in trees], generators, target.device)
             results = [_sampled_round(t, probs, int(s), u) for t, s, u in zip(trees, row_starts, uniforms)]
-        paths = [np.asarray(tree.path_to(beam), np.int64) for tree, (beam, _) in zip(trees, results)]
-        tokens = [[*tree.tokens[path].tolist(), token] for tree, path, (_, token) in zip(trees, paths, results)]
-        return Verdict(paths, tokens)
+        paths = [np.asarray(tree.path_to(beam), np.int64) for tree, (beam, _, _) in zip(trees, results)]
+        tokens = [[*tree.tokens[path].tolist(), token] for tree, path, (_, token, _) in zip(trees, paths, results)]
+        return Verdict(paths, tokens, [widths for _, _, widths in results])
 
 
 def _levels(tree: DraftTree) -> list[np.ndarray]:
@@ -104,24 +104,26 @@ def _draft_rows(tree: DraftTree, beams: list[int], like: torch.Tensor) -> torch.
     return torch.as_tensor(rows, device=like.device).to(like.dtype)
 
 
-def _sampled_round(tree: DraftTree, target: torch.Tensor, start: int, uniforms: torch.Tensor) -> tuple[int, int]:
-    """``(beam, token)`` committed for one request: the beam's node (``ROOT`` for the root)."""
+def _sampled_round(tree: DraftTree, target: torch.Tensor, start: int,
+                   uniforms: torch.Tensor) -> tuple[int, int, list[int]]:
+    """``(beam, token, widths)`` for one request: the committed beam's node
+    (``ROOT`` for the root), the target's token, the beams each accepted depth kept."""
     if tree.num_nodes and not (isinstance(tree, BeamForest) and tree.next_probs is not None):
         raise TypeError(f"DSBD sampling verification needs a BeamForest with draft rows, got {type(tree).__name__}")
     vocab = target.shape[-1]
-    live, target_score, draft_score = [ROOT], [0.0], [0.0]
+    live, target_score, draft_score, widths = [ROOT], [0.0], [0.0], []
     for level in _levels(tree):
         p = joint(torch.tensor(target_score), _target_rows(target, start, live))
         nodes, slots = _usable(tree, level, live)
         if nodes.size == 0:
-            return _draw(p, live, vocab, uniforms[-1])
+            return *_draw(p, live, vocab, uniforms[-1]), widths
         q = joint(torch.tensor(draft_score), _draft_rows(tree, live, target))
         pairs = slots * vocab + torch.as_tensor(tree.tokens[nodes])
         chain = residual_chain(p, q, nodes.size)
         width = choose_width(acceptance_rates(chain, q), tree.min_width, nodes.size, tree.width_threshold)
         outcome = verify_depth(chain, q, pairs, uniforms[torch.as_tensor(nodes)], width)
         if not outcome.succeeded:
-            return _draw(outcome.residual, live, vocab, uniforms[-1])
+            return *_draw(outcome.residual, live, vocab, uniforms[-1]), widths
         kept = nodes[outcome.accepted]
         parent_slot = slots[outcome.accepted].tolist()
         target_score = [
@@ -131,7 +133,9 @@ def _sampled_round(tree: DraftTree, target: torch.Tensor, start: int, uniforms: 
             draft_score[s] + float(np.log(tree.draft_probs[n, tree.tokens[n]])) for s, n in zip(parent_slot, kept)
         ]
         live = kept.tolist()
-    return _draw(joint(torch.tensor(target_score), _target_rows(target, start, live)), live, vocab, uniforms[-1])
+        widths.append(len(live))
+    below_last = joint(torch.tensor(target_score), _target_rows(target, start, live))
+    return *_draw(below_last, live, vocab, uniforms[-1]), widths
 
 
 def _draw(joint_probs: torch.Tensor, live: list[int], vocab: int, uniform: torch.Tensor) -> tuple[int, int]:
@@ -140,22 +144,24 @@ def _draw(joint_probs: torch.Tensor, live: list[int], vocab: int, uniform: torch
     return live[pair // vocab], pair % vocab
 
 
-def _greedy_round(tree: DraftTree, logp: torch.Tensor, start: int) -> tuple[int, int]:
-    """Beam search with the width the drafts cover; the best pair where it stops."""
+def _greedy_round(tree: DraftTree, logp: torch.Tensor, start: int) -> tuple[int, int, list[int]]:
+    """Beam search with the width the drafts cover; the best pair where it stops
+    (returned as :func:`_sampled_round` does)."""
     vocab = logp.shape[-1]
-    live, score = [ROOT], torch.zeros(1)
+    live, score, widths = [ROOT], torch.zeros(1), []
     for level in _levels(tree):
         scores = (score.unsqueeze(-1) + _target_rows(logp, start, live)).reshape(-1)
         nodes, slots = _usable(tree, level, live)
         accepted = greedy_depth(scores, slots * vocab + torch.as_tensor(tree.tokens[nodes])) if nodes.size else []
         if not accepted:
             best = int(scores.argmax())
-            return live[best // vocab], best % vocab
+            return live[best // vocab], best % vocab, widths
         kept = nodes[accepted]
         score = scores[slots[accepted] * vocab + torch.as_tensor(tree.tokens[kept])]
         live = kept.tolist()
+        widths.append(len(live))
     best = int((score.unsqueeze(-1) + _target_rows(logp, start, live)).reshape(-1).argmax())
-    return live[best // vocab], best % vocab
+    return live[best // vocab], best % vocab, widths
 
 
 class DsbdGreedyVerifier(DsbdVerifier):
