@@ -19,14 +19,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
 from tiny_model import VOCAB_WORDS, build_tiny_model, prompt_text
 
 MAX_MODEL_LEN = 1024
-KV_CACHE_BYTES = 1 << 30
+#: The tiny model's KV cache holds 1 KiB a token, so 64 MiB is 64k tokens:
+#: ample for every test, and small enough that the session's engines and
+#: servers (a dozen processes at once) fit in the machine's memory.
+KV_CACHE_BYTES = 64 << 20
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +40,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Same tokenizer as ``tiny_model``, other weights: a draft model."""
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1))
+
+
+@pytest.fixture(scope="session")
+def near_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The target's weights with more attention mixing: a draft whose
+    proposals are often, not always, the target's choices."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-near-draft"), seed=0, mixing=0.007))
 
 
 def make_prompts(count: int = 10, seed: int = 0) -> list[str]:
@@ -58,9 +67,13 @@ def make_prompts(count: int = 10, seed: int = 0) -> list[str]:
 class Engines:
     """Lazily started ``LLM`` objects keyed by their speculative config."""
 
+    #: every pool of the session, for :func:`stop_engines_after_module`
+    started: list[Engines] = []
+
     def __init__(self, model: str) -> None:
         self.model = model
         self._engines: dict[str, object] = {}
+        Engines.started.append(self)
 
     def get(self, speculative_config: dict | None = None, **kwargs: object):
         from vllm import LLM
@@ -89,3 +102,13 @@ def engines(tiny_model: str):
     pool = Engines(tiny_model)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_engines_after_module():
+    """Stop a module's engines when it ends: each holds about a gigabyte, and
+    a whole session's worth of idle engines next to the server tests'
+    servers would not fit in the machine's memory."""
+    yield
+    for pool in Engines.started:
+        pool.close()

@@ -1,9 +1,10 @@
 """The OpenAI-compatible server started with ``vllm-specbeam serve``.
 
-Greedy completions with ``lookup_tree`` and ``aded`` equal ``LLM(...)`` without
-speculation, sent concurrently so the server batches them; the spec-decode
-counters are on ``/metrics``; a bad per-request option (``vllm_xargs``) fails
-that request with HTTP 400 and the server keeps serving.
+Greedy completions with ``lookup_tree``, ``aded`` and width-1 ``dsbd`` equal
+``LLM(...)`` without speculation, sent concurrently so the server batches
+them; the spec-decode counters are on ``/metrics``; a bad per-request option
+(``vllm_xargs``) fails that request with HTTP 400 and the server keeps
+serving. The ``dsbd`` server and its beam search: test_server_beam_search.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import requests
@@ -31,39 +35,45 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=[LOOKUP, ADED], ids=lambda spec: spec["method"])
-def server(request, tiny_model, tmp_path_factory):
+@contextmanager
+def running_server(model: str, speculative_config: dict | None, log_path: Path, *args: str) -> Iterator[str]:
+    """``vllm-specbeam serve`` in a subprocess; yields its URL once healthy."""
     port = free_port()
-    log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
     command = [
-        sys.executable, "-m", "vllm_specbeam.cli", "serve", tiny_model,
+        sys.executable, "-m", "vllm_specbeam.cli", "serve", model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        "--speculative-config", json.dumps(request.param),
+        *(["--speculative-config", json.dumps(speculative_config)] if speculative_config else []), *args,
     ]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_SECONDS
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}; see {log.name}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not start in {STARTUP_SECONDS} s; see {log.name}")
-            time.sleep(2)
-        yield url
-    finally:
-        process.terminate()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + STARTUP_SECONDS
         try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
+                try:
+                    if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"server did not start in {STARTUP_SECONDS} s; see {log_path}")
+                time.sleep(2)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@pytest.fixture(scope="module", params=[LOOKUP, ADED], ids=lambda spec: spec["method"])
+def server(request, tiny_model, tmp_path_factory):
+    with running_server(tiny_model, request.param, tmp_path_factory.mktemp("server") / "server.log") as url:
+        yield url
 
 
 def complete(url: str, model: str, prompt: str, **extra) -> requests.Response:
@@ -72,6 +82,11 @@ def complete(url: str, model: str, prompt: str, **extra) -> requests.Response:
 
 
 def test_server_greedy_equals_no_speculation(server, engines, tiny_model):
+    assert_greedy_equals_no_speculation(server, engines, tiny_model)
+
+
+def assert_greedy_equals_no_speculation(server: str, engines, tiny_model: str) -> None:
+    """Ten concurrent greedy completions equal LLM(...) without speculation; drafts were accepted."""
     prompts = make_prompts(10)
     expected = [o.outputs[0].text for o in engines.get(None).generate(prompts, greedy())]
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
