@@ -179,7 +179,9 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
 
     available_beam = []
     for name, method in plugin_methods().items():
-        if wanted is not None and name not in wanted:
+        # the speculative beam search runs on a dsbd engine, with or without in-engine dsbd's rows
+        beam_only = wanted is not None and name not in wanted and name == "dsbd" and SPEC_BEAM in wanted
+        if wanted is not None and name not in wanted and not beam_only:
             continue
         if method.drafter is None:
             status[name] = MethodStatus("plugin", "skipped", f"not available yet in this plugin version ({method.issue})")
@@ -192,11 +194,12 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         depth, nodes = max(d for d, _ in grid), max(n for _, n in grid)
         config = {"method": name, "num_speculative_tokens": depth, "max_nodes": nodes}
         if method.needs_draft_model:
-            config["model"] = args.draft_path
+            config.update(model=args.draft_path, draft_dtype=args.draft_dtype)
         settings = [Setting(f"d{d}/n{n}", {"num_speculative_tokens": d, "max_nodes": n},
                             extra_args={"num_speculative_tokens": d, "max_nodes": n}) for d, n in grid]
-        status[name] = MethodStatus("plugin")
-        engines.append(EngineSpec(name, name, "plugin", config, settings))
+        if not beam_only:
+            status[name] = MethodStatus("plugin")
+            engines.append(EngineSpec(name, name, "plugin", config, settings))
         if name in BEAM_METHODS:
             available_beam.append(name)
         if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted or name in wanted):
@@ -692,6 +695,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sweep", choices=sorted(TREE_GRID), default="quick",
                         help="option grid per method: none = defaults only")
     parser.add_argument("--dtype", default="float32", help="float32 is faster than bfloat16 on CPUs without bf16")
+    parser.add_argument("--draft-dtype", default="auto", choices=["auto", "checkpoint", "float32", "bfloat16", "float16"],
+                        help="the plugin's draft_dtype option for its draft-model methods (auto: the target's "
+                             "dtype, which vLLM's draft_model always uses)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--execute-code", action="store_true",

@@ -165,7 +165,7 @@ def test_prompt_sets(tmp_path):
 
 def plan_args(**kwargs) -> argparse.Namespace:
     defaults = {"methods": ["all"], "draft": None, "draft_path": None, "sweep": "quick",
-                "trigram": None, "trigram_path": None}
+                "trigram": None, "trigram_path": None, "draft_dtype": "auto"}
     return argparse.Namespace(**{**defaults, **kwargs})
 
 
@@ -202,6 +202,11 @@ def test_plan_follows_plugin_methods(monkeypatch):
     assert spec.engine_kwargs["enable_chunked_prefill"] is False
     assert [s.values for s in spec.settings] == [s.values for s in by_id["beam_search"].settings]
     assert all(s.speculative for s in spec.settings)
+    # the beam searches alone: no in-engine dsbd rows; the draft's dtype reaches the plugin's config
+    status, engines = compare.plan(plan_args(draft="d", draft_path="/d", draft_dtype="bfloat16",
+                                             methods=["none", compare.SPEC_BEAM, "beam_search"]))
+    assert [e.id for e in engines] == [compare.SPEC_BEAM, "beam_search", "none"] and "dsbd" not in status
+    assert engines[0].speculative_config["draft_dtype"] == "bfloat16"
     with pytest.raises(SystemExit, match="unknown method"):
         compare.plan(plan_args(methods=["nope"]))
 
