@@ -1,7 +1,7 @@
 """Shared fixtures: one tiny model per session and engines shared by tests.
 
 Engine start-up costs tens of seconds on a CPU, so each engine configuration
-is started once per session (``engine(...)``) and reused.
+is started once per test module (``engines.get(...)``) and reused by its tests.
 """
 
 from __future__ import annotations

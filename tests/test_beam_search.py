@@ -12,6 +12,7 @@ import math
 import pytest
 
 from conftest import make_prompts
+from test_draft_model import count_forwards
 
 DEPTH = 3
 
@@ -115,7 +116,7 @@ def assert_same_search(ours, theirs) -> None:
 
 
 @pytest.mark.parametrize("width,ignore_eos", [(2, True), (3, False)])
-def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos):
+def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos, monkeypatch):
     from vllm.sampling_params import BeamSearchParams
 
     from vllm_specbeam.beam_search import SpeculativeBeamSearch
@@ -123,8 +124,7 @@ def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos)
     prompts = make_prompts(5, seed=1)  # at width 3, prompt 0 has EOS-completed beams among its best
     params = BeamSearchParams(beam_width=width, max_tokens=24, ignore_eos=ignore_eos)
     search = SpeculativeBeamSearch(llm)
-    forward, batches = search.runtime._forward, []
-    search.runtime._forward = lambda feeds, last_only: batches.append(len(feeds)) or forward(feeds, last_only)
+    batches = count_forwards(search.runtime, monkeypatch)
     ours = search.run(prompts, params)
     theirs = llm.beam_search(prompts, params)
     assert_same_search(ours, theirs)
