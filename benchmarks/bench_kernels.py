@@ -17,6 +17,7 @@ which is what the GPU cost is expected to follow (see docs/kernels.md).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -27,15 +28,21 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))  # vLLM's own kernels, as the tests call them
 
 GPU = torch.cuda.is_available()
 if not GPU:  # must precede the first triton import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vllm_specbeam.kernels import kv_move as km  # noqa: E402
-from vllm_specbeam.kernels import tree_attention as ta  # noqa: E402
-from vllm_specbeam.kernels.reference import (  # noqa: E402
+
+from vllm_kernels import vllm_reshape_and_cache
+
+from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.kernels import kv_move as km
+from vllm_specbeam.kernels import tree_attention as ta
+from vllm_specbeam.kernels.reference import (
     accepted_path_moves,
     allowed_keys,
     build_tree_mask,
@@ -44,9 +51,7 @@ from vllm_specbeam.kernels.reference import (  # noqa: E402
     split_kv_cache,
     token_slots,
     tree_attention_ref,
-    vllm_reshape_and_cache,
 )
-from vllm_specbeam.tree import DraftTree  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
 
@@ -91,7 +96,7 @@ def dense_masked_baseline(inp: dict) -> torch.Tensor:
     q, key_cache, value_cache = inp["q"], inp["key_cache"], inp["value_cache"]
     starts, seq_lens = inp["query_start_loc"].tolist(), inp["seq_lens"].tolist()
     num_reqs, block_size = len(seq_lens), key_cache.shape[1]
-    max_q = max(b - a for a, b in zip(starts, starts[1:]))
+    max_q = max(b - a for a, b in itertools.pairwise(starts))
     max_k = max(seq_lens)
     heads, kv_heads, dim = q.shape[1], key_cache.shape[2], q.shape[2]
     qd = q.new_zeros(num_reqs, heads, max_q, dim)
@@ -173,8 +178,9 @@ def bench_kv_move(args, results: dict) -> None:
         block_size, context = args.block_size, 1000
         pages = math.ceil((context + 65) / block_size)
         layers = [
-            torch.randn(batch * pages, block_size, args.num_kv_heads, 2 * args.head_size, dtype=dtype, device=DEVICE)
-            .transpose(1, 2)
+            torch.randn(
+                batch * pages, block_size, args.num_kv_heads, 2 * args.head_size, dtype=dtype, device=DEVICE
+            ).transpose(1, 2)
             for _ in range(args.num_layers)
         ]
         block_table = torch.arange(batch * pages, dtype=torch.int32, device=DEVICE).view(batch, pages)

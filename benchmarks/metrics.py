@@ -100,8 +100,9 @@ def ratio(value: float | None, reference: float | None) -> float | None:
     return value / reference
 
 
-def continuation_logprobs(prompt_logprobs: Sequence[Mapping[int, float] | None],
-                          token_ids: Sequence[int], start: int) -> list[float]:
+def continuation_logprobs(
+    prompt_logprobs: Sequence[Mapping[int, float] | None], token_ids: Sequence[int], start: int
+) -> list[float]:
     """Log-probabilities of ``token_ids[start:]`` from a scoring pass.
 
     ``prompt_logprobs[i]`` maps candidate token ids at position ``i`` to their
@@ -156,10 +157,27 @@ _NUM = {"type": ["number", "null"]}
 _RUN = {
     "type": "object",
     "required": [
-        "method", "setting", "setting_label", "batch_size", "temperature", "engine",
-        "tokens_per_s", "tokens_per_s_runs", "speedup", "output_tokens", "requests",
-        "accepted_per_step", "acceptance_rate", "steps_per_output_token", "draft_time_share",
-        "peak_rss_mib", "mean_loglik_per_token", "exact_match", "pass_rate", "counters", "best",
+        "method",
+        "setting",
+        "setting_label",
+        "batch_size",
+        "temperature",
+        "engine",
+        "tokens_per_s",
+        "tokens_per_s_runs",
+        "speedup",
+        "output_tokens",
+        "requests",
+        "accepted_per_step",
+        "acceptance_rate",
+        "steps_per_output_token",
+        "draft_time_share",
+        "peak_rss_mib",
+        "mean_loglik_per_token",
+        "exact_match",
+        "pass_rate",
+        "counters",
+        "best",
     ],
     "properties": {
         "method": {"type": "string"},
@@ -194,8 +212,19 @@ RESULT_SCHEMA: dict[str, Any] = {
         "schema_version": {"const": SCHEMA_VERSION},
         "config": {
             "type": "object",
-            "required": ["model", "draft_model", "prompts", "max_tokens", "batch_sizes", "temperatures",
-                         "repeats", "seed", "dtype", "sweep", "execute_code"],
+            "required": [
+                "model",
+                "draft_model",
+                "prompts",
+                "max_tokens",
+                "batch_sizes",
+                "temperatures",
+                "repeats",
+                "seed",
+                "dtype",
+                "sweep",
+                "execute_code",
+            ],
         },
         "environment": {
             "type": "object",
@@ -260,20 +289,27 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 #: (title, key, digits) of the offline table.
 OFFLINE_COLUMNS = (
-    ("batch", "batch_size", 0), ("temp", "temperature", 1), ("method", "method", 0),
-    ("best setting", "setting_label", 0), ("tok/s (median)", "tokens_per_s", 1),
-    ("speedup", "speedup", 2), ("accepted/step", "accepted_per_step", 2),
-    ("acceptance", "acceptance_rate", 2), ("dsbd width", "mean_width", 2), ("steps/token", "steps_per_output_token", 2),
-    ("draft share", "draft_time_share", 2), ("peak RSS MiB", "peak_rss_mib", 0),
-    ("loglik/token", "mean_loglik_per_token", 3), ("exact match", "exact_match", 2),
+    ("batch", "batch_size", 0),
+    ("temp", "temperature", 1),
+    ("method", "method", 0),
+    ("best setting", "setting_label", 0),
+    ("tok/s (median)", "tokens_per_s", 1),
+    ("speedup", "speedup", 2),
+    ("accepted/step", "accepted_per_step", 2),
+    ("acceptance", "acceptance_rate", 2),
+    ("dsbd width", "mean_width", 2),
+    ("steps/token", "steps_per_output_token", 2),
+    ("draft share", "draft_time_share", 2),
+    ("peak RSS MiB", "peak_rss_mib", 0),
+    ("loglik/token", "mean_loglik_per_token", 3),
+    ("exact match", "exact_match", 2),
     ("pass@1", "pass_rate", 2),
 )
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, int]]) -> str:
     """A Markdown table of ``rows`` (dicts) with ``(title, key, digits)`` columns."""
-    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |",
-             "|" + "|".join("---" for _ in columns) + "|"]
+    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(_fmt(row.get(key), digits) for _, key, digits in columns) + " |")
     return "\n".join(lines) + "\n"
@@ -282,17 +318,24 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[st
 def offline_table(runs: Sequence[Mapping[str, Any]]) -> str:
     """One row per method and scenario: its best setting (the sweep stays in
     the JSON). Speedups are against ``none`` in the same scenario and run."""
-    rows = sorted((r for r in runs if r["best"]),
-                  key=lambda r: (r["temperature"], r["batch_size"], r["method"] != "none", -r["tokens_per_s"]))
+    rows = sorted(
+        (r for r in runs if r["best"]),
+        key=lambda r: (r["temperature"], r["batch_size"], r["method"] != "none", -r["tokens_per_s"]),
+    )
     return markdown_table(rows, OFFLINE_COLUMNS)
 
 
 #: (title, key, digits) of the beam-search table.
 BEAM_COLUMNS = (
-    ("batch", "batch_size", 0), ("method", "method", 0), ("width", "setting_label", 0),
-    ("tok/s (median)", "tokens_per_s", 1), ("vs vLLM beam search", "speedup_vs_beam_search", 2),
-    ("tokens per target pass", "tokens_per_pass", 2), ("draft share", "draft_time_share", 2),
-    ("loglik/token", "mean_loglik_per_token", 3), ("same beams as vLLM", "exact_match", 2),
+    ("batch", "batch_size", 0),
+    ("method", "method", 0),
+    ("width", "setting_label", 0),
+    ("tok/s (median)", "tokens_per_s", 1),
+    ("vs vLLM beam search", "speedup_vs_beam_search", 2),
+    ("tokens per target pass", "tokens_per_pass", 2),
+    ("draft share", "draft_time_share", 2),
+    ("loglik/token", "mean_loglik_per_token", 3),
+    ("same beams as vLLM", "exact_match", 2),
 )
 
 
@@ -300,9 +343,16 @@ def beam_table(runs: Sequence[Mapping[str, Any]]) -> str:
     """Beam searches at every width (not only the fastest): vLLM's
     ``LLM.beam_search`` and the plugin's speculative one side by side;
     empty when no beam search ran."""
-    rows = [{**r, "tokens_per_pass": 1 / r["steps_per_output_token"] if r.get("steps_per_output_token") else
-             (1.0 if r["method"] == "beam_search" else None)}
-            for r in runs if r.get("setting", {}).get("beam_width")]
+    rows = [
+        {
+            **r,
+            "tokens_per_pass": 1 / r["steps_per_output_token"]
+            if r.get("steps_per_output_token")
+            else (1.0 if r["method"] == "beam_search" else None),
+        }
+        for r in runs
+        if r.get("setting", {}).get("beam_width")
+    ]
     if not rows:
         return ""
     rows.sort(key=lambda r: (r["batch_size"], r["setting"]["beam_width"], r["method"] != "beam_search"))
@@ -323,8 +373,9 @@ def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title
     temperatures = sorted({r["temperature"] for r in runs})
     methods = sorted({r["method"] for r in runs})
     colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(len(temperatures), len(batches), squeeze=False,
-                             figsize=(5 * len(batches), 4 * len(temperatures)))
+    fig, axes = plt.subplots(
+        len(temperatures), len(batches), squeeze=False, figsize=(5 * len(batches), 4 * len(temperatures))
+    )
     for (row, temperature), (col, batch) in ((r, c) for r in enumerate(temperatures) for c in enumerate(batches)):
         ax = axes[row][col]
         for run in runs:
@@ -333,14 +384,29 @@ def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title
             x, y = run["speedup"], run["mean_loglik_per_token"]
             if x is None or y is None:
                 continue
-            ax.scatter(x, y, color=colours[run["method"]], s=70 if run["best"] else 25,
-                       edgecolors="black" if run["best"] else "none",
-                       label=run["method"] if run["best"] else None)
-            ax.annotate(run["setting_label"] if run["method"] != "none" else "none", (x, y),
-                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+            ax.scatter(
+                x,
+                y,
+                color=colours[run["method"]],
+                s=70 if run["best"] else 25,
+                edgecolors="black" if run["best"] else "none",
+                label=run["method"] if run["best"] else None,
+            )
+            ax.annotate(
+                run["setting_label"] if run["method"] != "none" else "none",
+                (x, y),
+                fontsize=6,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
         ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-        baseline = [r["mean_loglik_per_token"] for r in runs if r["method"] == "none"
-                    and (r["batch_size"], r["temperature"]) == (batch, temperature) and r["mean_loglik_per_token"] is not None]
+        baseline = [
+            r["mean_loglik_per_token"]
+            for r in runs
+            if r["method"] == "none"
+            and (r["batch_size"], r["temperature"]) == (batch, temperature)
+            and r["mean_loglik_per_token"] is not None
+        ]
         if baseline:
             ax.axhline(baseline[0], color="grey", lw=0.8, ls=":")
         ax.set_title(f"batch {batch}, temperature {temperature}")

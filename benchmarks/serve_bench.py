@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -36,16 +37,24 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import metrics  # noqa: E402
-from compare import DEFAULT_MODEL, ENV_DEFAULTS, EngineSpec, TreeMonitor, environment, plan, resolve_model  # noqa: E402
-from prompts import BUILTIN, load_prompts  # noqa: E402
+
+import metrics
+from compare import DEFAULT_MODEL, ENV_DEFAULTS, EngineSpec, TreeMonitor, environment, plan, resolve_model
+from prompts import BUILTIN, load_prompts
 
 SERVE_COLUMNS = (
-    ("concurrency", "concurrency", 0), ("method", "method", 0), ("requests", "requests", 0),
-    ("out tok/s", "output_tokens_per_s", 1), ("speedup", "speedup", 2),
-    ("TTFT p50 ms", "ttft_ms_p50", 0), ("TTFT p90 ms", "ttft_ms_p90", 0),
-    ("ITL p50 ms", "itl_ms_p50", 0), ("ITL p90 ms", "itl_ms_p90", 0), ("TPOT p50 ms", "tpot_ms_p50", 0),
-    ("accepted/step", "accepted_per_step", 2), ("acceptance", "acceptance_rate", 2),
+    ("concurrency", "concurrency", 0),
+    ("method", "method", 0),
+    ("requests", "requests", 0),
+    ("out tok/s", "output_tokens_per_s", 1),
+    ("speedup", "speedup", 2),
+    ("TTFT p50 ms", "ttft_ms_p50", 0),
+    ("TTFT p90 ms", "ttft_ms_p90", 0),
+    ("ITL p50 ms", "itl_ms_p50", 0),
+    ("ITL p90 ms", "itl_ms_p90", 0),
+    ("TPOT p50 ms", "tpot_ms_p50", 0),
+    ("accepted/step", "accepted_per_step", 2),
+    ("acceptance", "acceptance_rate", 2),
 )
 #: Prometheus counters (``/metrics``) summed over their label sets.
 PROM_COUNTERS = {
@@ -69,8 +78,21 @@ def server_command(model: str, engine: EngineSpec, args: argparse.Namespace) -> 
     exe = shutil.which("vllm-specbeam", path=str(Path(sys.executable).parent)) or shutil.which("vllm-specbeam")
     if exe is None:
         raise SystemExit("the vllm-specbeam command is not installed (pip install -e .)")
-    command = [exe, "serve", model, "--host", "127.0.0.1", "--port", str(args.port), "--dtype", args.dtype,
-               "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
+    command = [
+        exe,
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--seed",
+        str(args.seed),
+    ]
     if engine.speculative_config:
         command += ["--speculative-config", json.dumps(engine.speculative_config)]
     return command
@@ -102,8 +124,15 @@ async def prom_counters(client: Any) -> dict[str, float]:
 
 async def one_request(client: Any, model: str, prompt: str, args: argparse.Namespace) -> dict[str, Any]:
     """One streamed completion: TTFT, chunk gaps, latency and token count."""
-    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
@@ -119,12 +148,18 @@ async def one_request(client: Any, model: str, prompt: str, args: argparse.Names
                 arrivals.append(time.perf_counter())
     end = time.perf_counter()
     ttft = arrivals[0] - start if arrivals else None
-    return {"ttft": ttft, "itl": [b - a for a, b in zip(arrivals, arrivals[1:])], "latency": end - start,
-            "tokens": tokens, "tpot": (end - start - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None}
+    return {
+        "ttft": ttft,
+        "itl": [b - a for a, b in itertools.pairwise(arrivals)],
+        "latency": end - start,
+        "tokens": tokens,
+        "tpot": (end - start - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None,
+    }
 
 
-async def load_level(client: Any, model: str, prompts: list[str], concurrency: int,
-                     args: argparse.Namespace) -> dict[str, Any]:
+async def load_level(
+    client: Any, model: str, prompts: list[str], concurrency: int, args: argparse.Namespace
+) -> dict[str, Any]:
     """``--num-requests`` requests (at least ``concurrency``), at most
     ``concurrency`` in flight; no new request starts after ``--time-limit``."""
     count = max(args.num_requests, concurrency)
@@ -151,18 +186,26 @@ async def load_level(client: Any, model: str, prompts: list[str], concurrency: i
     itl = [gap for r in results for gap in r["itl"]]
     figures = metrics.spec_figures(tokens, int(counters["accepted"]), int(counters["draft_tokens"]))
     return {
-        "concurrency": concurrency, "requests": len(results), "duration_s": duration, "output_tokens": tokens,
-        "output_tokens_per_s": tokens / duration, "requests_per_s": len(results) / duration,
-        "ttft_ms_p50": pct([r["ttft"] for r in results], 50), "ttft_ms_p90": pct([r["ttft"] for r in results], 90),
-        "itl_ms_p50": pct(itl, 50), "itl_ms_p90": pct(itl, 90),
+        "concurrency": concurrency,
+        "requests": len(results),
+        "duration_s": duration,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / duration,
+        "requests_per_s": len(results) / duration,
+        "ttft_ms_p50": pct([r["ttft"] for r in results], 50),
+        "ttft_ms_p90": pct([r["ttft"] for r in results], 90),
+        "itl_ms_p50": pct(itl, 50),
+        "itl_ms_p90": pct(itl, 90),
         "tpot_ms_p50": pct([r["tpot"] for r in results], 50),
-        "accepted_per_step": figures.accepted_per_step, "acceptance_rate": figures.acceptance_rate,
+        "accepted_per_step": figures.accepted_per_step,
+        "acceptance_rate": figures.acceptance_rate,
         "counters": counters,
     }
 
 
-async def bench_server(engine: EngineSpec, model: str, prompts: list[str], args: argparse.Namespace,
-                       log: Path) -> dict[str, Any]:
+async def bench_server(
+    engine: EngineSpec, model: str, prompts: list[str], args: argparse.Namespace, log: Path
+) -> dict[str, Any]:
     import httpx
 
     env = {**ENV_DEFAULTS, **os.environ}
@@ -213,15 +256,26 @@ def main(argv: list[str] | None = None) -> int:
     for engine in tqdm(engines, desc="servers", unit="server"):
         log = out / "logs" / f"serve-{engine.id}.log"
         try:
-            servers[engine.id] = {"method": engine.method, "speculative_config": engine.speculative_config,
-                                  "status": "ok", **asyncio.run(bench_server(engine, args.model_path, prompts, args, log))}
+            servers[engine.id] = {
+                "method": engine.method,
+                "speculative_config": engine.speculative_config,
+                "status": "ok",
+                **asyncio.run(bench_server(engine, args.model_path, prompts, args, log)),
+            }
         except Exception as error:  # one failing server must not lose the others' numbers
             reason = f"{type(error).__name__}: {error} (see {log})"
-            servers[engine.id] = {"method": engine.method, "speculative_config": engine.speculative_config,
-                                  "status": "failed", "reason": reason, "levels": []}
+            servers[engine.id] = {
+                "method": engine.method,
+                "speculative_config": engine.speculative_config,
+                "status": "failed",
+                "reason": reason,
+                "levels": [],
+            }
             status[engine.method].status, status[engine.method].reason = "failed", reason
             tqdm.write(f"server {engine.id} failed: {reason}")
-    baseline = {level["concurrency"]: level["output_tokens_per_s"] for level in servers.get("none", {}).get("levels", [])}
+    baseline = {
+        level["concurrency"]: level["output_tokens_per_s"] for level in servers.get("none", {}).get("levels", [])
+    }
     rows = [level for server in servers.values() for level in server["levels"]]
     for row in rows:
         row["speedup"] = metrics.ratio(row["output_tokens_per_s"], baseline.get(row["concurrency"]))
@@ -245,16 +299,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target: path or hub name (default %(default)s)")
     parser.add_argument("--draft", default=None, help="draft model for draft_model and plugin methods that need one")
     parser.add_argument("--methods", nargs="+", default=["all"], help="as in compare.py; 'none' always runs")
     parser.add_argument("--prompts", default="humaneval", help=f"{' | '.join(BUILTIN)} | path to JSONL with 'prompt'")
     parser.add_argument("--num-prompts", type=int, default=16, help="distinct prompts, cycled over the requests")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--num-requests", type=int, default=16, help="requests per concurrency level (at least the level)")
-    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per level after which no request starts")
+    parser.add_argument(
+        "--num-requests", type=int, default=16, help="requests per concurrency level (at least the level)"
+    )
+    parser.add_argument(
+        "--time-limit", type=float, default=120.0, help="seconds per level after which no request starts"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="float32")

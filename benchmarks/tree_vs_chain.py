@@ -21,12 +21,13 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
-from vllm_specbeam.config import METHODS, Method
-from vllm_specbeam.drafters.base import DraftRequest, TreeDrafter
-from vllm_specbeam.tree import ROOT, DraftTree
+from vllm_specbeam.core.config import METHODS, Method
+from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
+from vllm_specbeam.core.tree import ROOT, DraftTree
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/specbeam-models/qwen-coder-0.5b")  # Qwen/Qwen2.5-Coder-0.5B-Instruct
 
@@ -35,7 +36,7 @@ class ShapeDrafter(TreeDrafter):
     """Drafts a chain, or a tree as wide as it is deep, of ``max_nodes`` nodes;
     every token is the same rarely chosen id, so nothing is accepted."""
 
-    OPTIONS: dict = {}
+    OPTIONS: ClassVar[dict] = {}
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self.shape(self.options["max_nodes"], self.options["num_speculative_tokens"]) for _ in requests]
@@ -51,8 +52,15 @@ class ShapeDrafter(TreeDrafter):
 def step_seconds(model: str, spec: dict | None, prompts: list[str], max_tokens: int, repeats: int) -> list[float]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="float32", max_model_len=2048, speculative_config=spec, seed=0,
-              distributed_executor_backend="uni", enable_prefix_caching=False)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=2048,
+        speculative_config=spec,
+        seed=0,
+        distributed_executor_backend="uni",
+        enable_prefix_caching=False,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     times = []
@@ -81,22 +89,30 @@ def main() -> None:
     METHODS["bench_shape"] = Method("__main__:ShapeDrafter")
     prompt = " ".join(["def f(x): return x + 1"] * (args.context // 8))
     prompts = [prompt] * args.batch
-    results = {"model": args.model, "batch": args.batch, "context_tokens_approx": args.context,
-               "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": []}
+    results = {
+        "model": args.model,
+        "batch": args.batch,
+        "context_tokens_approx": args.context,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "rows": [],
+    }
     baseline = statistics.median(step_seconds(args.model, None, prompts, args.max_tokens, args.repeats))
     results["no_speculation_step_s"] = baseline
     for nodes in args.nodes:
         row = {"nodes": nodes}
         for name, depth in (("chain", nodes), ("tree", min(args.tree_depth, nodes))):
             spec = {"method": "bench_shape", "num_speculative_tokens": depth, "max_nodes": nodes}
-            row[f"{name}_step_s"] = statistics.median(step_seconds(args.model, spec, prompts, args.max_tokens, args.repeats))
+            row[f"{name}_step_s"] = statistics.median(
+                step_seconds(args.model, spec, prompts, args.max_tokens, args.repeats)
+            )
         row["tree_over_chain"] = row["tree_step_s"] / row["chain_step_s"]
         row["chain_over_no_spec"] = row["chain_step_s"] / baseline
         results["rows"].append(row)
         print(json.dumps(row))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
-    print(f"| nodes | chain / no spec | tree / chain |\n|---|---|---|")
+    print("| nodes | chain / no spec | tree / chain |\n|---|---|---|")
     for row in results["rows"]:
         print(f"| {row['nodes']} | {row['chain_over_no_spec']:.2f} | {row['tree_over_chain']:.2f} |")
 

@@ -7,6 +7,7 @@ is started once per test module (``engines.get(...)``) and reused by its tests.
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 # Before vLLM is imported anywhere: use both cores, and allow collective_rpc
 # with test functions (to read the runner's counters). The KV cache is sized
@@ -21,7 +22,6 @@ import json
 import random
 
 import pytest
-
 from tiny_model import VOCAB_WORDS, build_tiny_model, prompt_text
 
 MAX_MODEL_LEN = 1024
@@ -68,7 +68,7 @@ class Engines:
     """Lazily started ``LLM`` objects keyed by their speculative config."""
 
     #: every pool of the session, for :func:`stop_engines_after_module`
-    started: list[Engines] = []
+    started: ClassVar[list[Engines]] = []
 
     def __init__(self, model: str) -> None:
         self.model = model

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_specbeam import trigram
-from vllm_specbeam.config import TREE_OPTIONS, SpecbeamConfigError
-from vllm_specbeam.drafters.aded import AdedDrafter
-from vllm_specbeam.drafters.base import DraftRequest
-from vllm_specbeam.mcts import SearchParams, search, selection_scores
+from vllm_specbeam.core.config import TREE_OPTIONS, SpecbeamConfigError
+from vllm_specbeam.core.drafter import DraftRequest
+from vllm_specbeam.methods.aded import trigram
+from vllm_specbeam.methods.aded.drafter import AdedDrafter
+from vllm_specbeam.methods.aded.mcts import SearchParams, search, selection_scores
 
 WORDS = ["[UNK]", "a", "b", "c", "d", "e", "f", "g"]
 
@@ -84,12 +84,19 @@ def test_search_merges_most_visited_paths_with_greedy_extension() -> None:
 
 
 def test_search_puts_the_most_visited_path_first_and_keeps_the_budget() -> None:
-    lookup = table({
-        (0, 1): [(2, 0.9), (3, 0.1)],
-        (1, 2): [(4, 0.7), (5, 0.3)], (1, 3): [(6, 1.0)],
-        (2, 4): [(7, 1.0)], (2, 5): [(8, 1.0)], (3, 6): [(9, 1.0)],
-        (4, 7): [(2, 1.0)], (5, 8): [(2, 1.0)], (6, 9): [(2, 1.0)],
-    })
+    lookup = table(
+        {
+            (0, 1): [(2, 0.9), (3, 0.1)],
+            (1, 2): [(4, 0.7), (5, 0.3)],
+            (1, 3): [(6, 1.0)],
+            (2, 4): [(7, 1.0)],
+            (2, 5): [(8, 1.0)],
+            (3, 6): [(9, 1.0)],
+            (4, 7): [(2, 1.0)],
+            (5, 8): [(2, 1.0)],
+            (6, 9): [(2, 1.0)],
+        }
+    )
     params = SearchParams(iterations=150, depth=3, max_nodes=5)
     tree = search(lookup, 0, 1, params, np.random.default_rng(0))
     assert tree.tokens[:3].tolist() == [2, 4, 7]  # the most probable full-depth path
@@ -177,8 +184,20 @@ def test_load_refuses_another_tokenizer(corpus: Path, tokenizer_dir: str, tmp_pa
 
 def test_cli_build_and_info(corpus: Path, tokenizer_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "cli"
-    code = trigram.main(["build", "--tokenizer", tokenizer_dir, "--out", str(out), "--top-k", "2",
-                         "--no-progress", str(corpus / "one.txt"), str(corpus / "three.jsonl")])
+    code = trigram.main(
+        [
+            "build",
+            "--tokenizer",
+            tokenizer_dir,
+            "--out",
+            str(out),
+            "--top-k",
+            "2",
+            "--no-progress",
+            str(corpus / "one.txt"),
+            str(corpus / "three.jsonl"),
+        ]
+    )
     assert code == 0
     report = capsys.readouterr().out
     assert "keys" in report and "coverage" in report and "text: 1, prompt: 1, content: 1" in report

@@ -18,8 +18,12 @@ from conftest import make_prompts
 from test_lookup_tree_engine import greedy, runner_stats, token_ids
 
 ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40}
-TIGHT = {"kv_cache_memory_bytes": 6 * 128 * 1024, "max_model_len": 512, "max_num_batched_tokens": 64,
-         "enable_prefix_caching": True}
+TIGHT = {
+    "kv_cache_memory_bytes": 6 * 128 * 1024,
+    "max_model_len": 512,
+    "max_num_batched_tokens": 64,
+    "enable_prefix_caching": True,
+}
 MAX_TOKENS = 96
 
 
@@ -32,8 +36,9 @@ def _live_state(worker) -> dict[str, int]:
 def tight(request, engines, tiny_draft):
     if request.param == "aded":
         return engines.get(ADED, **TIGHT)
-    return engines.get({"method": "dsbd", "model": tiny_draft, "num_speculative_tokens": 3, "max_nodes": 12,
-                        "max_width": 1}, **TIGHT)
+    return engines.get(
+        {"method": "dsbd", "model": tiny_draft, "num_speculative_tokens": 3, "max_nodes": 12, "max_width": 1}, **TIGHT
+    )
 
 
 def test_preemption_and_chunked_prefill_keep_greedy_exact(engines, tight):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import make_prompts
 from test_draft_model import count_forwards
 
@@ -41,18 +40,24 @@ def test_tree_prompt_rows_equal_linear_prompts(llm):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_specbeam import tree_prompt
-    from vllm_specbeam.tree import ROOT, DraftTree
+    from vllm_specbeam.adapter import tree_prompt
+    from vllm_specbeam.core.tree import ROOT, DraftTree
 
     k = 6
     prompt = llm.get_tokenizer().encode(make_prompts(4)[2])
     tree = DraftTree([11, 12, 13, 14, 15, 16], [ROOT, 0, ROOT, 2, 2, 1])  # two branches, a fork, depths 1-3
-    scored = llm.generate([TokensPrompt(prompt_token_ids=prompt + tree.tokens.tolist())],
-                          SamplingParams(**tree_prompt.request_params(tree.parents, k)), use_tqdm=False)[0]
+    scored = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt + tree.tokens.tolist())],
+        SamplingParams(**tree_prompt.request_params(tree.parents, k)),
+        use_tqdm=False,
+    )[0]
     rows = tree_prompt.row_logprobs(scored, tree.num_nodes)
     paths = [[]] + [tree.tokens[tree.path_to(n)].tolist() for n in range(tree.num_nodes)]
-    linear = llm.generate([TokensPrompt(prompt_token_ids=prompt + p) for p in paths],
-                          SamplingParams(max_tokens=1, temperature=0.0, logprobs=k), use_tqdm=False)
+    linear = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt + p) for p in paths],
+        SamplingParams(max_tokens=1, temperature=0.0, logprobs=k),
+        use_tqdm=False,
+    )
     assert len(rows) == len(paths) == 7
     for row, reference in zip(rows, linear):
         expected = top_logprobs(reference.outputs[0].logprobs[0], k)
@@ -68,20 +73,26 @@ def test_tree_rows_never_serve_a_linear_prompt_from_the_cache(llm):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_specbeam import tree_prompt
-    from vllm_specbeam.tree import ROOT
+    from vllm_specbeam.adapter import tree_prompt
+    from vllm_specbeam.core.tree import ROOT
 
     prompt = llm.get_tokenizer().encode(make_prompts(5)[3])
     # 40 tree rows: the flattened tree fills a whole cache block (block size 32)
     parents = [ROOT if i % 4 == 0 else i - 1 for i in range(40)]  # ten branches of four
     tokens = [3 + (7 * i) % 97 for i in range(40)]
     k = 4
-    llm.generate([TokensPrompt(prompt_token_ids=prompt + tokens)],
-                 SamplingParams(**tree_prompt.request_params(parents, k)), use_tqdm=False)
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt + tokens)],
+        SamplingParams(**tree_prompt.request_params(parents, k)),
+        use_tqdm=False,
+    )
     linear = TokensPrompt(prompt_token_ids=prompt + tokens)
     cached = llm.generate([linear], SamplingParams(max_tokens=1, temperature=0.0, logprobs=k), use_tqdm=False)[0]
-    fresh = llm.generate([linear], SamplingParams(max_tokens=1, temperature=0.0, logprobs=k,
-                                                  skip_reading_prefix_cache=True), use_tqdm=False)[0]
+    fresh = llm.generate(
+        [linear],
+        SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, skip_reading_prefix_cache=True),
+        use_tqdm=False,
+    )[0]
     expected = top_logprobs(fresh.outputs[0].logprobs[0], k)
     got = top_logprobs(cached.outputs[0].logprobs[0], k)
     assert set(got) == set(expected)
@@ -92,18 +103,23 @@ def test_bad_tree_prompt_fails_that_request_only(llm):
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    from vllm_specbeam.tree_prompt import TREE_PARENTS_KEY
+    from vllm_specbeam.adapter.tree_prompt import TREE_PARENTS_KEY
 
     bad = {
-        "topological order": SamplingParams(max_tokens=1, prompt_logprobs=2, skip_reading_prefix_cache=False,
-                                            extra_args={TREE_PARENTS_KEY: [0]}),
+        "topological order": SamplingParams(
+            max_tokens=1, prompt_logprobs=2, skip_reading_prefix_cache=False, extra_args={TREE_PARENTS_KEY: [0]}
+        ),
         "needs prompt_logprobs": SamplingParams(max_tokens=1, extra_args={TREE_PARENTS_KEY: [-1]}),
         "must be a list of ints": SamplingParams(max_tokens=1, extra_args={TREE_PARENTS_KEY: "x"}),
     }
     for message, params in bad.items():
         with pytest.raises(VLLMValidationError, match=f"vllm-specbeam: .*{message}"):
             llm.generate(["w1 w2 w3"], params, use_tqdm=False)
-    assert llm.generate(["w1 w2 w3"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0].outputs[0].token_ids
+    assert (
+        llm.generate(["w1 w2 w3"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
 
 
 # ---------------------------------------------------------------- the search
@@ -119,7 +135,7 @@ def assert_same_search(ours, theirs) -> None:
 def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos, monkeypatch):
     from vllm.sampling_params import BeamSearchParams
 
-    from vllm_specbeam.beam_search import SpeculativeBeamSearch
+    from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
 
     prompts = make_prompts(5, seed=1)  # at width 3, prompt 0 has EOS-completed beams among its best
     params = BeamSearchParams(beam_width=width, max_tokens=24, ignore_eos=ignore_eos)
@@ -139,7 +155,7 @@ def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos,
 def test_draft_equal_to_target_advances_the_whole_depth(engines, tiny_model):
     from vllm.sampling_params import BeamSearchParams
 
-    from vllm_specbeam.beam_search import SpeculativeBeamSearch
+    from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
 
     llm = engines.get(dsbd(tiny_model), **ENGINE)
     prompts = make_prompts(3)
@@ -153,8 +169,8 @@ def test_draft_equal_to_target_advances_the_whole_depth(engines, tiny_model):
 def test_speculative_beam_search_refuses_what_it_cannot_do(engines, llm):
     from vllm.sampling_params import BeamSearchParams
 
-    from vllm_specbeam.beam_search import SpeculativeBeamSearch
-    from vllm_specbeam.config import SpecbeamConfigError
+    from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
+    from vllm_specbeam.core.config import SpecbeamConfigError
 
     with pytest.raises(ValueError, match="temperature must be 0"):
         SpeculativeBeamSearch(llm).run(["w1 w2"], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5))
@@ -169,16 +185,22 @@ def test_server_path_speculates_only_where_it_is_exact():
 
     from vllm.sampling_params import BeamSearchParams
 
-    from vllm_specbeam.beam_search_server import fallback_reason
+    from vllm_specbeam.adapter.beam_search_server import fallback_reason
 
     def client(method="dsbd", chunked=False, prefix=True):
         extra = {} if method is None else {"specbeam": {"method": method}}
-        return SimpleNamespace(vllm_config=SimpleNamespace(
-            additional_config=extra, scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked),
-            cache_config=SimpleNamespace(enable_prefix_caching=prefix)))
+        return SimpleNamespace(
+            vllm_config=SimpleNamespace(
+                additional_config=extra,
+                scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked),
+                cache_config=SimpleNamespace(enable_prefix_caching=prefix),
+            )
+        )
 
-    greedy, sampled = BeamSearchParams(beam_width=2, max_tokens=4), BeamSearchParams(beam_width=2, max_tokens=4,
-                                                                                     temperature=1.0)
+    greedy, sampled = (
+        BeamSearchParams(beam_width=2, max_tokens=4),
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=1.0),
+    )
     tokens = {"type": "token", "prompt_token_ids": [1, 2]}
     assert fallback_reason(client(), tokens, greedy) is None
     assert fallback_reason(client(None), tokens, greedy) == "no vllm-specbeam method"

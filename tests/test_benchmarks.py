@@ -69,27 +69,66 @@ def test_exact_match_percentile_ratio_truncation():
 def synthetic_runs() -> list[dict]:
     def run(method: str, label: str, tps: float, speedup: float, batch: int = 1) -> dict:
         return {
-            "method": method, "setting": {}, "setting_label": label, "batch_size": batch, "temperature": 0.0,
-            "engine": method, "tokens_per_s": tps, "tokens_per_s_runs": [tps], "speedup": speedup,
-            "output_tokens": 64, "requests": 2, "accepted_per_step": 0.5, "acceptance_rate": 0.4,
-            "steps_per_output_token": 0.7, "draft_time_share": None, "peak_rss_mib": 900.0,
-            "mean_loglik_per_token": -0.8, "exact_match": 1.0, "pass_rate": None, "counters": {}, "best": False,
+            "method": method,
+            "setting": {},
+            "setting_label": label,
+            "batch_size": batch,
+            "temperature": 0.0,
+            "engine": method,
+            "tokens_per_s": tps,
+            "tokens_per_s_runs": [tps],
+            "speedup": speedup,
+            "output_tokens": 64,
+            "requests": 2,
+            "accepted_per_step": 0.5,
+            "acceptance_rate": 0.4,
+            "steps_per_output_token": 0.7,
+            "draft_time_share": None,
+            "peak_rss_mib": 900.0,
+            "mean_loglik_per_token": -0.8,
+            "exact_match": 1.0,
+            "pass_rate": None,
+            "counters": {},
+            "best": False,
         }
 
-    return [run("none", "-", 10.0, 1.0), run("lookup_tree", "d3/n8", 12.0, 1.2),
-            run("lookup_tree", "d5/n16", 14.0, 1.4), run("none", "-", 30.0, 1.0, batch=8)]
+    return [
+        run("none", "-", 10.0, 1.0),
+        run("lookup_tree", "d3/n8", 12.0, 1.2),
+        run("lookup_tree", "d5/n16", 14.0, 1.4),
+        run("none", "-", 30.0, 1.0, batch=8),
+    ]
 
 
 def synthetic_result(runs: list[dict]) -> dict:
     return {
         "schema_version": metrics.SCHEMA_VERSION,
-        "config": {"model": "m", "draft_model": None, "prompts": {}, "max_tokens": 64, "batch_sizes": [1, 8],
-                   "temperatures": [0.0], "repeats": 1, "seed": 0, "dtype": "float32", "sweep": "quick",
-                   "execute_code": False},
-        "environment": {"vllm": "0.32.0", "torch": "2.13.0", "vllm_specbeam": "0.1.0", "git_commit": None,
-                        "python": "3.11", "cpu_count": 2, "cpu_model": "x"},
-        "methods": {"none": {"status": "ok", "kind": "baseline"},
-                    "aded": {"status": "skipped", "kind": "plugin", "reason": "not available yet"}},
+        "config": {
+            "model": "m",
+            "draft_model": None,
+            "prompts": {},
+            "max_tokens": 64,
+            "batch_sizes": [1, 8],
+            "temperatures": [0.0],
+            "repeats": 1,
+            "seed": 0,
+            "dtype": "float32",
+            "sweep": "quick",
+            "execute_code": False,
+        },
+        "environment": {
+            "vllm": "0.32.0",
+            "torch": "2.13.0",
+            "vllm_specbeam": "0.1.0",
+            "git_commit": None,
+            "python": "3.11",
+            "cpu_count": 2,
+            "cpu_model": "x",
+        },
+        "methods": {
+            "none": {"status": "ok", "kind": "baseline"},
+            "aded": {"status": "skipped", "kind": "plugin", "reason": "not available yet"},
+        },
         "engines": [{"id": "none", "method": "none", "status": "ok"}],
         "runs": runs,
         "artifacts": {},
@@ -125,12 +164,25 @@ def test_beam_table_lists_every_width_side_by_side():
     assert metrics.beam_table(synthetic_runs()) == ""  # no beam search ran: no table
 
     def beam(method, width, tps, steps_per_token=None, speedup=None, exact=None):
-        return {"method": method, "setting": {"beam_width": width}, "setting_label": f"w{width}", "batch_size": 1,
-                "tokens_per_s": tps, "speedup_vs_beam_search": speedup, "steps_per_output_token": steps_per_token,
-                "draft_time_share": None, "mean_loglik_per_token": -0.5, "exact_match": exact}
+        return {
+            "method": method,
+            "setting": {"beam_width": width},
+            "setting_label": f"w{width}",
+            "batch_size": 1,
+            "tokens_per_s": tps,
+            "speedup_vs_beam_search": speedup,
+            "steps_per_output_token": steps_per_token,
+            "draft_time_share": None,
+            "mean_loglik_per_token": -0.5,
+            "exact_match": exact,
+        }
 
-    runs = [beam(compare.SPEC_BEAM, 4, 3.0, 0.25, 1.5, 1.0), beam("beam_search", 4, 2.0, speedup=1.0),
-            beam("beam_search", 2, 4.0, speedup=1.0), beam(compare.SPEC_BEAM, 2, 6.0, 0.5, 1.5, 1.0)]
+    runs = [
+        beam(compare.SPEC_BEAM, 4, 3.0, 0.25, 1.5, 1.0),
+        beam("beam_search", 4, 2.0, speedup=1.0),
+        beam("beam_search", 2, 4.0, speedup=1.0),
+        beam(compare.SPEC_BEAM, 2, 6.0, 0.5, 1.5, 1.0),
+    ]
     rows = [line for line in metrics.beam_table(runs).splitlines() if line.startswith("| 1 ")]
     # widths in order, vLLM's first; 1 / steps-per-token = tokens per target pass (vLLM's: 1)
     assert rows == [
@@ -143,8 +195,10 @@ def test_beam_table_lists_every_width_side_by_side():
 
 def test_humaneval_pass_rate_runs_the_tests():
     prompts = load_prompts("humaneval", 2)
-    runs = [{"texts": [p.problem["canonical_solution"] + "\ndef extra():\n    pass" for p in prompts]},
-            {"texts": ["    return None\n"] * 2}]
+    runs = [
+        {"texts": [p.problem["canonical_solution"] + "\ndef extra():\n    pass" for p in prompts]},
+        {"texts": ["    return None\n"] * 2},
+    ]
     compare.pass_rates(prompts, runs, timeout=10.0)
     assert [run["pass_rate"] for run in runs] == [1.0, 0.0]
 
@@ -164,15 +218,22 @@ def test_prompt_sets(tmp_path):
 
 
 def plan_args(**kwargs) -> argparse.Namespace:
-    defaults = {"methods": ["all"], "draft": None, "draft_path": None, "sweep": "quick",
-                "trigram": None, "trigram_path": None, "draft_dtype": "auto"}
+    defaults = {
+        "methods": ["all"],
+        "draft": None,
+        "draft_path": None,
+        "sweep": "quick",
+        "trigram": None,
+        "trigram_path": None,
+        "draft_dtype": "auto",
+    }
     return argparse.Namespace(**{**defaults, **kwargs})
 
 
 def test_plan_follows_plugin_methods(monkeypatch):
     """Every plugin method with a drafter is benchmarked, the others are
     reported as skipped; a beam method brings vLLM's beam search along."""
-    from vllm_specbeam.config import METHODS, Method
+    from vllm_specbeam.core.config import METHODS, Method
 
     status, engines = compare.plan(plan_args())
     for name, method in METHODS.items():
@@ -186,7 +247,8 @@ def test_plan_follows_plugin_methods(monkeypatch):
     # One engine at the grid's maximum; the sweep is per-request options.
     assert lookup.speculative_config["max_nodes"] == max(n for _, n in compare.TREE_GRID["quick"])
     assert [s.extra_args for s in lookup.settings] == [
-        {"num_speculative_tokens": d, "max_nodes": n} for d, n in compare.TREE_GRID["quick"]]
+        {"num_speculative_tokens": d, "max_nodes": n} for d, n in compare.TREE_GRID["quick"]
+    ]
 
     fake = dict(METHODS, dsbd=Method(METHODS["lookup_tree"].drafter, needs_draft_model=True))
     monkeypatch.setattr(compare, "plugin_methods", lambda: fake)
@@ -203,8 +265,11 @@ def test_plan_follows_plugin_methods(monkeypatch):
     assert [s.values for s in spec.settings] == [s.values for s in by_id["beam_search"].settings]
     assert all(s.speculative for s in spec.settings)
     # the beam searches alone: no in-engine dsbd rows; the draft's dtype reaches the plugin's config
-    status, engines = compare.plan(plan_args(draft="d", draft_path="/d", draft_dtype="bfloat16",
-                                             methods=["none", compare.SPEC_BEAM, "beam_search"]))
+    status, engines = compare.plan(
+        plan_args(
+            draft="d", draft_path="/d", draft_dtype="bfloat16", methods=["none", compare.SPEC_BEAM, "beam_search"]
+        )
+    )
     assert [e.id for e in engines] == [compare.SPEC_BEAM, "beam_search", "none"] and "dsbd" not in status
     assert engines[0].speculative_config["draft_dtype"] == "bfloat16"
     with pytest.raises(SystemExit, match="unknown method"):
@@ -230,12 +295,36 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     from conftest import make_prompts
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"tiny/{i}", "prompt": p}) + "\n"
-                               for i, p in enumerate(make_prompts(4)[1:])))
+    prompts.write_text(
+        "".join(json.dumps({"id": f"tiny/{i}", "prompt": p}) + "\n" for i, p in enumerate(make_prompts(4)[1:]))
+    )
     out = tmp_path / "out"
-    command = [sys.executable, str(BENCH / "compare.py"), "--model", tiny_model, "--prompts", str(prompts),
-               "--max-tokens", "24", "--batch-sizes", "1", "2", "--temperatures", "0", "--repeats", "1",
-               "--methods", "none", "lookup_tree", "--sweep", "none", "--max-model-len", "512", "--out", str(out)]
+    command = [
+        sys.executable,
+        str(BENCH / "compare.py"),
+        "--model",
+        tiny_model,
+        "--prompts",
+        str(prompts),
+        "--max-tokens",
+        "24",
+        "--batch-sizes",
+        "1",
+        "2",
+        "--temperatures",
+        "0",
+        "--repeats",
+        "1",
+        "--methods",
+        "none",
+        "lookup_tree",
+        "--sweep",
+        "none",
+        "--max-model-len",
+        "512",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 

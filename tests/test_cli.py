@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_specbeam.cli import main
+from vllm_specbeam.adapter.cli import main
 
 
 def test_trigram_subcommand_builds_and_describes_a_matrix(tiny_model, tmp_path, capsys):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_specbeam.config import SpecbeamConfigError, parse
+from vllm_specbeam.core.config import SpecbeamConfigError, parse
 
 
 def engine_config(model: str, spec: dict):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_specbeam.plugin import register
+    from vllm_specbeam.adapter.plugin import register
 
     register()  # what vLLM's plugin loader does in every process
     return EngineArgs(model=model, dtype="float32", max_model_len=256, speculative_config=spec).create_engine_config()
@@ -20,22 +20,35 @@ def engine_config(model: str, spec: dict):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ({"method": "lookup_tree", "max_node": 8},
-         r"unknown option\(s\) \['max_node'\] for speculative method 'lookup_tree'; valid options: .*'max_nodes'"),
-        ({"method": "lookup_tree", "num_speculative_tokens": "4"},
-         r"option 'num_speculative_tokens' must be a int, got '4' \(str\)"),
-        ({"method": "lookup_tree", "num_speculative_tokens": 0},
-         r"option 'num_speculative_tokens' must be in \[1, 32\], got 0"),
-        ({"method": "lookup_tree", "num_speculative_tokens": 8, "max_nodes": 4},
-         r"max_nodes=4 cannot hold one branch of depth num_speculative_tokens=8"),
-        ({"method": "lookup_tree", "prompt_lookup_min": 6, "prompt_lookup_max": 3},
-         r"prompt_lookup_min=6 must not exceed prompt_lookup_max=3"),
-        ({"method": "lookup_tree", "model": "some/draft"},
-         r"speculative method 'lookup_tree' uses no draft model; remove \"model\""),
-        ({"method": "mjsd", "model": "some/draft"},
-         r"speculative method 'mjsd' \(multi-token joint speculative decoding\) is not available yet"),
-        ({"method": "aded", "trigram": "/nonexistent/matrix"},
-         r"aded: .*nonexistent"),
+        (
+            {"method": "lookup_tree", "max_node": 8},
+            r"unknown option\(s\) \['max_node'\] for speculative method 'lookup_tree'; valid options: .*'max_nodes'",
+        ),
+        (
+            {"method": "lookup_tree", "num_speculative_tokens": "4"},
+            r"option 'num_speculative_tokens' must be a int, got '4' \(str\)",
+        ),
+        (
+            {"method": "lookup_tree", "num_speculative_tokens": 0},
+            r"option 'num_speculative_tokens' must be in \[1, 32\], got 0",
+        ),
+        (
+            {"method": "lookup_tree", "num_speculative_tokens": 8, "max_nodes": 4},
+            r"max_nodes=4 cannot hold one branch of depth num_speculative_tokens=8",
+        ),
+        (
+            {"method": "lookup_tree", "prompt_lookup_min": 6, "prompt_lookup_max": 3},
+            r"prompt_lookup_min=6 must not exceed prompt_lookup_max=3",
+        ),
+        (
+            {"method": "lookup_tree", "model": "some/draft"},
+            r"speculative method 'lookup_tree' uses no draft model; remove \"model\"",
+        ),
+        (
+            {"method": "mjsd", "model": "some/draft"},
+            r"speculative method 'mjsd' \(multi-token joint speculative decoding\) is not available yet",
+        ),
+        ({"method": "aded", "trigram": "/nonexistent/matrix"}, r"aded: .*nonexistent"),
     ],
 )
 def test_startup_errors_name_problem_and_fix(tiny_model, spec, message):
@@ -58,8 +71,11 @@ def test_draft_model_problems(tiny_model, tiny_draft, tmp_path):
 
 
 def test_unknown_method_lists_vllm_and_plugin_methods(tiny_model):
-    with pytest.raises(SpecbeamConfigError, match=r"unknown speculative method 'lookup_trees'; "
-                                                  r"vLLM's methods: \[.*'ngram'.*\]; vllm-specbeam's: \[.*'lookup_tree'"):
+    with pytest.raises(
+        SpecbeamConfigError,
+        match=r"unknown speculative method 'lookup_trees'; "
+        r"vLLM's methods: \[.*'ngram'.*\]; vllm-specbeam's: \[.*'lookup_tree'",
+    ):
         engine_config(tiny_model, {"method": "lookup_trees", "num_speculative_tokens": 2})
 
 
@@ -85,8 +101,8 @@ def test_start_up_checks_run_once_not_per_request(monkeypatch):
     """Files and models are checked at start-up only: the runner applies a
     request's overrides at every step, where loading a tri-gram matrix or a
     tokenizer would cost more than the step itself."""
-    from vllm_specbeam.drafters.aded import AdedDrafter
-    from vllm_specbeam.drafters.dsbd import DsbdDrafter
+    from vllm_specbeam.methods.aded.drafter import AdedDrafter
+    from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter
 
     calls = []
     monkeypatch.setattr(AdedDrafter, "check_startup", staticmethod(lambda options: calls.append(options)))
@@ -106,7 +122,7 @@ def test_start_up_checks_run_once_not_per_request(monkeypatch):
 def test_version_mismatch_is_reported(monkeypatch):
     import vllm
 
-    from vllm_specbeam import plugin
+    from vllm_specbeam.adapter import plugin
 
     monkeypatch.setattr(vllm, "__version__", "0.33.1")
     problem = plugin.vllm_version_problem()

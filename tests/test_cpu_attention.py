@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_specbeam.attention import TreeStep, _split_kv, block_layout, move_kv, tree_attention
-from vllm_specbeam.tree import ROOT, DraftTree
+from vllm_specbeam.adapter.attention.cpu import TreeStep, _split_kv, block_layout, move_kv, recompute_tree_rows
+from vllm_specbeam.core.tree import ROOT, DraftTree
 
 HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 32, 32
 
@@ -29,15 +29,22 @@ def write(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
     from vllm import _custom_ops as ops
 
     key_cache, value_cache = _split_kv(cache)
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    ops.cpu_attn_reshape_and_cache(
+        keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
 
 
 def read_kv(layer, cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions [0, num_keys), [R, heads, keys, head], read
     through the learned layout the same way the plugin's gather does."""
-    step = TreeStep(torch.arange(block_table.shape[0]), torch.zeros(0), torch.zeros(0),
-                    torch.zeros(block_table.shape[0], 1, num_keys, dtype=torch.bool), torch.zeros(0), torch.zeros(0))
+    step = TreeStep(
+        torch.arange(block_table.shape[0]),
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(block_table.shape[0], 1, num_keys, dtype=torch.bool),
+        torch.zeros(0),
+        torch.zeros(0),
+    )
     key_index, value_index = step.gather_index(layer, cache, block_table)
     return cache.view(-1)[key_index], cache.view(-1)[value_index]
 
@@ -81,9 +88,9 @@ def test_tree_attention_matches_dense_masked_attention():
     assert step.req_indices.tolist() == [1]
     assert step.query_rows[step.row_valid].tolist() == [first_rows[1] + i for i in (2, 3, 4, 5)]
     impl = SimpleNamespace(scale=1 / math.sqrt(HEAD), num_heads=HEADS, head_size=HEAD)
-    tree_attention(impl, SimpleNamespace(isa=isa), query, cache, block_table, output, step)
+    recompute_tree_rows(impl, SimpleNamespace(isa=isa), query, cache, block_table, output, step)
 
-    assert (output[:3] == 7.0).all() and (output[first_rows[0]:first_rows[1] + 2] == 7.0).all()
+    assert (output[:3] == 7.0).all() and (output[first_rows[0] : first_rows[1] + 2] == 7.0).all()
     r, ctx, t, first = 1, contexts[1], trees[1], first_rows[1]
     for i in (2, 3, 4, 5):  # the recomputed rows
         visible = list(range(ctx)) + [ctx + j for j in range(t.num_nodes + 1) if t.ancestor_mask[i, j]]

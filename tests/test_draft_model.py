@@ -7,8 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_specbeam import draft_model
-from vllm_specbeam.draft_model import MAX_PADDING, DraftModelError, DraftModelRuntime, check_vocabularies, placement
+from vllm_specbeam.draft_runtime import hf as draft_model
+from vllm_specbeam.draft_runtime.hf import (
+    MAX_PADDING,
+    DraftModelError,
+    DraftModelRuntime,
+    check_vocabularies,
+    placement,
+)
 
 CONTEXT = [(7 * i) % 97 + 3 for i in range(40)]
 PROMPT = [(11 * i) % 97 + 3 for i in range(90)]  # longer than a short feed by more than MAX_PADDING
@@ -233,8 +239,8 @@ def test_placement_follows_the_target_unless_told() -> None:
 
 
 def test_drafter_loads_the_draft_in_the_targets_dtype(tiny_model: str) -> None:
-    from vllm_specbeam.config import parse
-    from vllm_specbeam.drafters.dsbd import DsbdDrafter
+    from vllm_specbeam.core.config import parse
+    from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter
 
     options = parse({"method": "dsbd", "model": tiny_model}).options
     target = torch.nn.Linear(2, 2).to(torch.bfloat16)  # stands in for vLLM's target model

@@ -14,9 +14,11 @@ import pytest
 import torch
 from test_draft_model import count_forwards
 
-from vllm_specbeam.drafters.base import DraftRequest
-from vllm_specbeam.drafters.dsbd import DsbdDrafter, level_widths, sampling_probs
-from vllm_specbeam.dsbd import (
+from vllm_specbeam.core.drafter import DraftRequest
+from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.core.verifiers.greedy import GreedyTreeVerifier
+from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter, level_widths, sampling_probs
+from vllm_specbeam.methods.dsbd.maths import (
     BeamForest,
     acceptance_rates,
     choose_width,
@@ -25,9 +27,7 @@ from vllm_specbeam.dsbd import (
     residual_chain,
     verify_depth,
 )
-from vllm_specbeam.tree import DraftTree
-from vllm_specbeam.verifiers.dsbd import DsbdVerifier
-from vllm_specbeam.verifiers.greedy import GreedyTreeVerifier
+from vllm_specbeam.methods.dsbd.verifier import DsbdVerifier
 
 TOL = 1e-9
 ACCEPT, REJECT = 0.0, 1.0 - 1e-12  # uniforms that pass any positive ratio / fail any ratio below one
@@ -36,7 +36,7 @@ ACCEPT, REJECT = 0.0, 1.0 - 1e-12  # uniforms that pass any positive ratio / fai
 def joints(seed: int, zeros: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """A target and a draft joint over 2 beams x 2 tokens (float64)."""
     rng = np.random.default_rng(seed)
-    rows = lambda: rng.dirichlet(np.ones(2), size=2)  # noqa: E731
+    rows = lambda: rng.dirichlet(np.ones(2), size=2)
     p = joint(torch.tensor(rng.normal(size=2)), torch.tensor(rows())).numpy()
     q = joint(torch.tensor(rng.normal(size=2)), torch.tensor(rows())).numpy()
     if zeros:  # the draft misses a pair the target wants, the target vetoes one the draft likes
@@ -166,8 +166,14 @@ def make_drafter(draft: str, **options: object) -> DsbdDrafter:
     return drafter
 
 
-def decode(drafter: DsbdDrafter, verifier: DsbdVerifier, target: torch.nn.Module, prompt: list[int], steps: int,
-           temperature: float = 0.0) -> tuple[list[int], list[int]]:
+def decode(
+    drafter: DsbdDrafter,
+    verifier: DsbdVerifier,
+    target: torch.nn.Module,
+    prompt: list[int],
+    steps: int,
+    temperature: float = 0.0,
+) -> tuple[list[int], list[int]]:
     """Run rounds of draft + verify; the committed tokens and tokens committed per round."""
     tokens, per_round = list(prompt), []
     for _ in range(steps):
@@ -179,7 +185,7 @@ def decode(drafter: DsbdDrafter, verifier: DsbdVerifier, target: torch.nn.Module
         verdict = verifier.verify([tree], rows, np.array([0]), [torch.Generator().manual_seed(len(tokens))])
         tokens += verdict.tokens[0]
         per_round.append(len(verdict.tokens[0]))
-    return tokens[len(prompt):], per_round
+    return tokens[len(prompt) :], per_round
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +208,7 @@ def test_greedy_width_one_decodes_like_the_target(models: tuple[str, torch.nn.Mo
     assert sum(per_round) > len(per_round)  # drafts were accepted: the comparison has teeth
     with torch.inference_mode():
         reference = target.generate(torch.tensor([PROMPT]), max_new_tokens=len(ours), do_sample=False)
-    assert ours == reference[0, len(PROMPT):].tolist()
+    assert ours == reference[0, len(PROMPT) :].tolist()
 
 
 def test_draft_equal_to_target_accepts_every_depth(tiny_model: str) -> None:

@@ -6,6 +6,8 @@ compare token ids, batched and one request at a time.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from conftest import make_prompts
 
@@ -100,12 +102,17 @@ def test_spec_decode_metrics_count_trees(engines, prompts):
     assert delta("vllm:spec_decode_num_drafts") == after_stats["trees"] - before_stats["trees"]
     assert delta("vllm:spec_decode_num_draft_tokens") == after_stats["nodes"] - before_stats["nodes"]
     assert delta("vllm:spec_decode_num_accepted_tokens") == after_stats["accepted"] - before_stats["accepted"]
-    per_depth = [a - b for a, b in zip(after["vllm:spec_decode_num_accepted_tokens_per_pos"],
-                                       before["vllm:spec_decode_num_accepted_tokens_per_pos"])]
+    per_depth = [
+        a - b
+        for a, b in zip(
+            after["vllm:spec_decode_num_accepted_tokens_per_pos"],
+            before["vllm:spec_decode_num_accepted_tokens_per_pos"],
+        )
+    ]
     # Position i counts paths that reached depth i + 1: non-increasing, summing to the total.
     assert sum(per_depth) == delta("vllm:spec_decode_num_accepted_tokens")
-    assert all(a >= b for a, b in zip(per_depth, per_depth[1:]))
-    assert per_depth[LOOKUP["num_speculative_tokens"]:] == [0] * (len(per_depth) - LOOKUP["num_speculative_tokens"])
+    assert all(a >= b for a, b in itertools.pairwise(per_depth))
+    assert per_depth[LOOKUP["num_speculative_tokens"] :] == [0] * (len(per_depth) - LOOKUP["num_speculative_tokens"])
 
 
 def test_per_request_override_and_bad_value(engines, prompts, reference):
@@ -116,7 +123,7 @@ def test_per_request_override_and_bad_value(engines, prompts, reference):
 
     with pytest.raises(VLLMValidationError, match="max_nodes=64 exceeds the engine's max_nodes=12"):
         llm.generate(prompts[:1], greedy(extra_args={"max_nodes": 64}))
-    with pytest.raises(VLLMValidationError, match="option .prompt_lookup_min. must be a int"):
+    with pytest.raises(VLLMValidationError, match="option 'prompt_lookup_min' must be a int"):
         llm.generate(prompts[:1], greedy(extra_args={"prompt_lookup_min": "2"}))
     # The engine survived the bad requests.
     assert token_ids(llm.generate(prompts[:2], greedy())) == reference[:2]
@@ -133,8 +140,14 @@ def test_aded_greedy_equals_no_speculation(engines, prompts, reference):
 
 def test_dsbd_width_one_greedy_equals_no_speculation(engines, tiny_draft, prompts, reference):
     """Greedy DSBD is beam decoding; with one beam it is greedy decoding, exactly."""
-    spec = {"method": "dsbd", "model": tiny_draft, "num_speculative_tokens": 3, "max_nodes": 12,
-            "min_width": 1, "max_width": 1}
+    spec = {
+        "method": "dsbd",
+        "model": tiny_draft,
+        "num_speculative_tokens": 3,
+        "max_nodes": 12,
+        "min_width": 1,
+        "max_width": 1,
+    }
     llm = engines.get(spec)
     assert token_ids(llm.generate(prompts, greedy())) == reference
     stats = runner_stats(llm)

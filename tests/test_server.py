@@ -40,10 +40,25 @@ def running_server(model: str, speculative_config: dict | None, log_path: Path, 
     """``vllm-specbeam serve`` in a subprocess; yields its URL once healthy."""
     port = free_port()
     command = [
-        sys.executable, "-m", "vllm_specbeam.cli", "serve", model,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        *(["--speculative-config", json.dumps(speculative_config)] if speculative_config else []), *args,
+        sys.executable,
+        "-m",
+        "vllm_specbeam.adapter.cli",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--seed",
+        "0",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        *(["--speculative-config", json.dumps(speculative_config)] if speculative_config else []),
+        *args,
     ]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())

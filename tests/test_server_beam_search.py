@@ -48,8 +48,9 @@ def beam_search(url: str, model: str, prompt: str, **fields) -> dict:
 
 def finished_requests(url: str) -> float:
     metrics = requests.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in metrics.splitlines()
-               if line.startswith("vllm:request_success_total"))
+    return sum(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:request_success_total")
+    )
 
 
 def test_server_beam_search_equals_vllm_server(dsbd_server, plain_server, tiny_model):
@@ -66,12 +67,15 @@ def test_server_beam_search_equals_vllm_server(dsbd_server, plain_server, tiny_m
     for url in (dsbd_server, plain_server):
         before = finished_requests(url)
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            answers[url] = [list(pool.map(lambda p: beam_search(url, tiny_model, p, **case), prompts)) for case in cases]
+            answers[url] = [
+                list(pool.map(lambda p: beam_search(url, tiny_model, p, **case), prompts)) for case in cases
+            ]
         counts[url] = finished_requests(url) - before
     for ours, theirs in zip(answers[dsbd_server], answers[plain_server]):
         for a, b in zip(ours, theirs):
-            assert [(c["text"], c["finish_reason"]) for c in a["choices"]] == \
-                   [(c["text"], c["finish_reason"]) for c in b["choices"]]
+            assert [(c["text"], c["finish_reason"]) for c in a["choices"]] == [
+                (c["text"], c["finish_reason"]) for c in b["choices"]
+            ]
     reasons = {c["finish_reason"] for case in answers[plain_server] for a in case for c in a["choices"]}
     assert reasons == {"length", "stop"}  # EOS-completed beams are part of the comparison
     assert counts[dsbd_server] < 0.7 * counts[plain_server]

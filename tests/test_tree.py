@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_specbeam.attention import TreeStep
-from vllm_specbeam.drafters.lookup_tree import match_ends
-from vllm_specbeam.tree import ROOT, DraftTree
-from vllm_specbeam.verifiers.greedy import GreedyTreeVerifier, greedy_path
+from vllm_specbeam.adapter.attention.cpu import TreeStep
+from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.core.verifiers.greedy import GreedyTreeVerifier, greedy_path
+from vllm_specbeam.methods.lookup_tree.drafter import match_ends
 
 #        root
 #       /    \

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specbeam.tree import ROOT, DraftTree
-from vllm_specbeam.verifiers import rejection
-from vllm_specbeam.verifiers.base import TreeVerifier
-from vllm_specbeam.verifiers.block import BlockVerifier, block_table
-from vllm_specbeam.verifiers.rejection import RejectionTreeVerifier, acceptance_table, child_step
+from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.core.verifiers import rejection
+from vllm_specbeam.core.verifiers.base import TreeVerifier
+from vllm_specbeam.core.verifiers.block import BlockVerifier, block_table
+from vllm_specbeam.core.verifiers.rejection import RejectionTreeVerifier, acceptance_table, child_step
 
 ATOL = 1e-9
 SIGNIFICANCE = 1e-3

@@ -34,9 +34,7 @@ def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004, word_pref
     vocab.update({f"{word_prefix}{i}": i + 3 for i in range(VOCAB_WORDS)})
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
 
     config = LlamaConfig(

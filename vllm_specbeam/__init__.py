@@ -1,0 +1,27 @@
+"""vllm-specbeam: tree- and forest-verified speculative decoding for vLLM.
+
+The package is laid out like its architecture (docs/architecture.md):
+``core`` and ``methods`` never import vLLM, ``adapter`` is the one package that
+knows vLLM 0.32. The public Python API is re-exported here lazily, so
+importing the package (as vLLM's plugin loader does) loads nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: name -> module of the public API (the speculative beam search runs on a vLLM engine)
+_PUBLIC = {
+    "SpeculativeBeamSearch": "vllm_specbeam.adapter.beam_search",
+    "beam_search": "vllm_specbeam.adapter.beam_search",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'vllm_specbeam' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

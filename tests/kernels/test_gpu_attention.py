@@ -15,35 +15,37 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from types import SimpleNamespace  # noqa: E402
+from types import SimpleNamespace
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="Triton is not installed: the Triton kernels cannot be tested")
 
-from vllm.config import CUDAGraphMode  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.platforms import current_platform  # noqa: E402
-from vllm.v1.attention.backends import triton_attn  # noqa: E402
-from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.config import CUDAGraphMode
+from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends import triton_attn
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm_kernels import import_vllm_triton_module
 
-from vllm_specbeam import attention, gpu_attention, plugin  # noqa: E402
-from vllm_specbeam.config import SpecbeamConfigError  # noqa: E402
-from vllm_specbeam.kernels import kv_move as km_mod  # noqa: E402
-from vllm_specbeam.kernels import tree_attention as ta_mod  # noqa: E402
-from vllm_specbeam.kernels.reference import (  # noqa: E402
+from vllm_specbeam.adapter import plugin
+from vllm_specbeam.adapter.attention import cuda as gpu_attention
+from vllm_specbeam.adapter.attention.step import masked_rows, tree_step
+from vllm_specbeam.adapter.runner import TreeRunnerMixin
+from vllm_specbeam.core.config import SpecbeamConfigError
+from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.kernels import kv_move as km_mod
+from vllm_specbeam.kernels import tree_attention as ta_mod
+from vllm_specbeam.kernels.reference import (
     allowed_keys,
     build_tree_mask,
-    import_vllm_triton_module,
     kv_move_ref,
     split_kv_cache,
     token_slots,
     tree_attention_ref,
 )
-from vllm_specbeam.runner import TreeRunnerMixin  # noqa: E402
-from vllm_specbeam.tree import DraftTree  # noqa: E402
 
 FP16 = dict(atol=2e-3, rtol=2e-3)  # kernel vs fp32 reference, as in test_tree_attention.py
 NUM_KV_HEADS, GROUP, HEAD_SIZE, BLOCK_SIZE = 2, 4, 64, 16
@@ -212,7 +214,7 @@ def test_tree_step_runs_tree_kernel_for_the_whole_batch(vllm_triton):
     batch = make_batch(REQUESTS, seed=1)
     impl = make_impl(gpu_attention.TreeTritonAttentionImpl)
     stock = forward(make_impl(triton_attn.TritonAttentionImpl), batch)
-    with attention.tree_step(make_step(REQUESTS)):
+    with tree_step(make_step(REQUESTS)):
         ours = forward(impl, batch)
     torch.testing.assert_close(ours.float(), reference(batch, REQUESTS), **FP16)
     # Causal rows (plain requests, the chain, rows before a root) = vLLM's stock Triton forward.
@@ -233,7 +235,7 @@ def test_without_tree_rows_the_forward_is_vllms(vllm_triton, active):
     batch = make_batch(CHAINS, seed=2)
     step = make_step(CHAINS) if active == "chains only" else None
     assert step is None or not step.needs_attention
-    with attention.tree_step(step):
+    with tree_step(step):
         ours = forward(make_impl(gpu_attention.TreeTritonAttentionImpl), batch)
     stock = forward(make_impl(triton_attn.TritonAttentionImpl), batch)
     assert torch.equal(ours, stock)
@@ -243,7 +245,7 @@ def test_without_tree_rows_the_forward_is_vllms(vllm_triton, active):
 def test_tree_mask_must_cover_the_batch(vllm_triton):
     batch = make_batch(REQUESTS, seed=3)
     step = make_step(REQUESTS[:-1])  # built for fewer rows than attention runs
-    with attention.tree_step(step), pytest.raises(RuntimeError, match="tree mask has 39 rows but attention runs 44"):
+    with tree_step(step), pytest.raises(RuntimeError, match="tree mask has 39 rows but attention runs 44"):
         forward(make_impl(gpu_attention.TreeTritonAttentionImpl), batch)
 
 
@@ -261,7 +263,7 @@ def test_step_mask_equals_reference_mask():
         assert torch.equal(allowed_keys(ours, ctx), allowed_keys(ref, ctx))
         needs_mask = np.zeros(n, dtype=bool)
         if draft is not None:
-            needs_mask[before + attention.masked_rows(draft)] = True
+            needs_mask[before + masked_rows(draft)] = True
         assert ((ours != 0).any(dim=1).numpy() == needs_mask).all()
         with_words = torch.from_numpy(needs_mask)
         assert torch.equal(ours[with_words], ref[with_words])  # the same words where there are words
@@ -390,7 +392,9 @@ def test_other_backends_and_a_taken_slot_are_refused(monkeypatch, custom_slot):
     from vllm.v1.attention.backends.registry import register_backend
 
     register_backend(custom_slot, "other.package.Backend")
-    with pytest.raises(SpecbeamConfigError, match="CUSTOM attention backend slot already holds other.package.Backend"):
+    with pytest.raises(
+        SpecbeamConfigError, match=r"CUSTOM attention backend slot already holds other\.package\.Backend"
+    ):
         create(monkeypatch, cuda=True, spec={"method": "lookup_tree"})
 
 

@@ -10,20 +10,21 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="Triton is not installed: the Triton kernels cannot be tested")
 
-from vllm_specbeam.kernels import kv_move as km_mod  # noqa: E402
-from vllm_specbeam.kernels.reference import (  # noqa: E402
+from vllm_kernels import vllm_reshape_and_cache
+
+from vllm_specbeam.kernels import kv_move as km_mod
+from vllm_specbeam.kernels.reference import (
     accepted_path_moves,
     check_in_place_order,
     gather_paged,
     kv_move_ref,
     split_kv_cache,
     token_slots,
-    vllm_reshape_and_cache,
 )
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"

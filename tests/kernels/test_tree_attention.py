@@ -15,32 +15,31 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from unittest import mock  # noqa: E402
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from unittest import mock
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="Triton is not installed: the Triton kernels cannot be tested")
 
-from vllm_specbeam.kernels import tree_attention as ta_mod  # noqa: E402
-from vllm_specbeam.kernels.reference import (  # noqa: E402
+from vllm_kernels import import_vllm_triton_module, vllm_reshape_and_cache
+
+from vllm_specbeam.core.tree import DraftTree, forest_ancestor_mask
+from vllm_specbeam.kernels import tree_attention as ta_mod
+from vllm_specbeam.kernels.reference import (
     allowed_keys,
     build_tree_mask,
-    forest_ancestor_mask,
-    import_vllm_triton_module,
     pack_ancestor_mask,
     split_kv_cache,
     token_slots,
     tree_attention_ref,
     unpack_tree_mask,
-    vllm_reshape_and_cache,
 )
-from vllm_specbeam.tree import DraftTree  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -97,7 +96,7 @@ class Batch:
     scale: float
     max_query_len: int
 
-    def run(self, tree_mask: torch.Tensor | None | str = "same") -> torch.Tensor:
+    def run(self, tree_mask: torch.Tensor | str | None = "same") -> torch.Tensor:
         mask = self.tree_mask if isinstance(tree_mask, str) else tree_mask
         return ta_mod.tree_attention(
             self.q, self.key_cache, self.value_cache, self.block_table, self.query_start_loc,
@@ -115,7 +114,9 @@ class Batch:
 def empty_kv_cache(num_blocks, num_kv_heads, block_size, head_size, dtype, layout) -> torch.Tensor:
     """vLLM's per-layer logical [B, H, N, 2D] cache with a physical layout."""
     if layout == "LBNHC":  # vLLM's default: [block, slot, head, content] in memory
-        return torch.empty(num_blocks, block_size, num_kv_heads, 2 * head_size, dtype=dtype, device=DEVICE).transpose(1, 2)
+        return torch.empty(num_blocks, block_size, num_kv_heads, 2 * head_size, dtype=dtype, device=DEVICE).transpose(
+            1, 2
+        )
     assert layout == "LBHNC"  # [block, head, slot, content]
     return torch.empty(num_blocks, num_kv_heads, block_size, 2 * head_size, dtype=dtype, device=DEVICE)
 

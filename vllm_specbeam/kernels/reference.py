@@ -46,30 +46,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vllm_specbeam.tree import DraftTree
+from vllm_specbeam.core.tree import DraftTree
 
 BITS_PER_WORD = 64
 
 
 # ----------------------------------------------------------------- topology
-def forest_ancestor_mask(parents: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``mask[r, c]``: row ``c`` is row ``r`` or an ancestor of it.
-
-    ``parents`` is indexed by *row*; ``-1`` marks a root, so several roots make
-    a forest (a ``DraftTree`` is the special case with one root at row 0).
-    """
-    parents = np.asarray(parents, dtype=np.int64).reshape(-1)
-    n = parents.size
-    if n and not np.all((parents >= -1) & (parents < np.arange(n))):
-        raise ValueError("row parents must be -1 or an earlier row (topological order)")
-    mask = np.zeros((n, n), dtype=bool)
-    for row, parent in enumerate(parents):
-        if parent >= 0:
-            mask[row] = mask[parent]
-        mask[row, row] = True
-    return mask
-
-
 def pack_ancestor_mask(mask: np.ndarray, num_words: int) -> np.ndarray:
     """Pack a boolean ``[rows, cols]`` mask into ``int64[rows, num_words]``."""
     mask = np.asarray(mask, dtype=bool)
@@ -232,7 +214,7 @@ def accepted_path_moves(
         src.append(token_slots(block_table[req], context_len + rows_t, block_size))
         dst.append(token_slots(block_table[req], context_len + targets, block_size))
         cu.append(cu[-1] + rows_t.numel())
-    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)
     return cat(src), cat(dst), torch.tensor(cu, dtype=torch.int64, device=block_table.device)
 
 
@@ -270,47 +252,3 @@ def kv_move_ref(
         block_size = cache.shape[2]
         snapshot = cache[src // block_size, :, src % block_size].clone()  # [n, H, content]
         cache[dst // block_size, :, dst % block_size] = snapshot
-
-
-# ------------------------------------------------------ vLLM's own kernels
-def import_vllm_triton_module(name: str):
-    """Import a vLLM Triton-kernel module with the real Triton.
-
-    vLLM's CPU build swaps ``vllm.triton_utils.triton`` for a placeholder when
-    it finds no GPU driver, which turns its kernels into plain functions. For
-    checking against vLLM's kernels under ``TRITON_INTERPRET=1`` we point the
-    placeholders at the real modules and (re)import. On GPU builds this is a
-    plain import.
-    """
-    import importlib
-    import sys
-
-    import triton
-    import triton.language as tl
-    import vllm.triton_utils as triton_utils
-
-    if not triton_utils.HAS_TRITON and triton_utils.triton is not triton:
-        triton_utils.triton, triton_utils.tl = triton, tl
-        for mod in [m for m in sys.modules if m.startswith("vllm.v1.attention.ops.")]:
-            del sys.modules[mod]
-    return importlib.import_module(name)
-
-
-def vllm_reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write K/V exactly as vLLM's TRITON_ATTN backend does (``do_kv_cache_update``)."""
-    from unittest import mock
-
-    ops = import_vllm_triton_module("vllm.v1.attention.ops.triton_reshape_and_cache_flash")
-    scale = torch.ones(1, dtype=torch.float32, device=key.device)
-    if key.is_cuda:
-        ops.triton_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, "auto", scale, scale)
-        return
-    # The launcher asks CUDA for the SM version only to pick a tile size.
-    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-        ops.triton_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, "auto", scale, scale)

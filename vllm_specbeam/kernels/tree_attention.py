@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from vllm_specbeam.kernels.reference import BITS_PER_WORD, tree_attention_ref
+from vllm_specbeam.kernels.reference import tree_attention_ref
 
 try:
     import triton
@@ -300,7 +300,7 @@ def tree_attention(
         )
     num_reqs = seq_lens.shape[0]
     num_heads, head_size = q.shape[1], q.shape[2]
-    num_blocks, block_size, num_kv_heads, cache_head_size = key_cache.shape
+    _num_blocks, block_size, num_kv_heads, cache_head_size = key_cache.shape
     assert value_cache.shape == key_cache.shape and cache_head_size == head_size
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert key_cache.dtype == value_cache.dtype == q.dtype, "quantized KV caches are not supported"

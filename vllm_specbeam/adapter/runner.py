@@ -1,0 +1,486 @@
+"""Tree verification inside vLLM's V1 model runner.
+
+One engine step of a plugin method, as the runner sees it (vLLM 0.32.0,
+v1/worker/gpu_model_runner.py, synchronous scheduling):
+
+1. ``_prepare_inputs`` (stock) lays out ``[root, node 0, node 1, ...]`` for each
+   request with drafts and gives every row a linear KV slot. The plugin then
+   sets each node's *position* to ``context + depth`` (slots stay linear).
+2. ``_model_forward`` runs the target once; the attention layers see the
+   step's trees and give tree rows the ancestor-only mask: on CPU a
+   :class:`~vllm_specbeam.adapter.attention.cpu.TreeStep` for the wrapped CPU backend, on
+   CUDA a :class:`~vllm_specbeam.adapter.attention.cuda.GpuTreeStep` for the plugin's
+   attention backend (selected at start-up, see ``gpu_attention``).
+3. ``_sample`` runs the strategy's verifier instead of vLLM's chain rejection
+   sampler, returns the accepted path in the shape vLLM expects, and moves the
+   accepted nodes' K/V into the slots of consecutive positions (torch on CPU,
+   the ``kv_move`` kernel on CUDA).
+4. ``propose_draft_token_ids`` asks the drafter for the next trees; their
+   flattened tokens go to the scheduler as ordinary draft tokens (the
+   scheduler allocates a slot per node and rolls back what was not accepted).
+
+With no plugin method configured every override falls through to vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_specbeam.adapter import tree_prompt
+from vllm_specbeam.adapter.attention import cpu as attention
+from vllm_specbeam.adapter.attention import cuda as gpu_attention
+from vllm_specbeam.adapter.attention.step import tree_step
+from vllm_specbeam.adapter.engine_config import plugin_config
+from vllm_specbeam.core.config import METHODS
+from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
+from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.kernels import kv_move
+
+PLACEHOLDER_TOKEN_ID = -1  # vllm.v1.sample.rejection_sampler.PLACEHOLDER_TOKEN_ID
+SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler: temperatures below are greedy
+
+
+class DrafterHost:
+    """What vLLM's ``custom_class`` carrier instantiates as the runner's drafter.
+
+    vLLM builds it (``create_custom_proposer``) and calls ``load_model``; the
+    tree runner calls :meth:`propose_trees`. vLLM's chain ``propose`` must never
+    be reached: the tree runner overrides the call site.
+    """
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.config = plugin_config(vllm_config)
+        drafter_cls = METHODS[self.config.method].drafter_class()
+        self.drafter: TreeDrafter = drafter_cls(self.config.options)
+
+    def load_model(self, target_model: Any) -> None:
+        self.drafter.load_model(target_model)
+
+    def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
+        raise RuntimeError("vllm-specbeam: the chain proposer path was reached; the tree runner is not installed")
+
+
+def request_supports_trees(params: Any) -> bool:
+    """Whether a request's target distribution can be verified as a tree.
+
+    Temperature, top-k and top-p are applied per row exactly as vLLM does.
+    Penalties, min-p, logit bias, bad words, min-tokens and structured output
+    are applied by vLLM depending on the tokens before each row (or not at all
+    on its speculative path), which a tree does not have in one sequence: such
+    requests decode without speculation (one token per step), exactly.
+    """
+    return (
+        params.min_p == 0.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.logit_bias
+        and not params.allowed_token_ids
+        and not params.bad_words
+        and not params.min_tokens
+        and params.thinking_token_budget is None
+        and params.structured_outputs is None
+    )
+
+
+def target_probabilities(
+    logits: torch.Tensor, batch_indices: list[int], rows_per_request: np.ndarray, sampling_metadata: Any
+) -> torch.Tensor:
+    """The target's sampling distribution for each verification row.
+
+    Temperature, top-k and top-p of each request applied to all its rows, with
+    vLLM's own top-k/top-p op (vllm/v1/sample/ops/topk_topp_sampler.py), so
+    the distribution is the one vLLM samples from without speculation.
+    """
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    index = torch.as_tensor(batch_indices, device=logits.device)
+    repeats = torch.as_tensor(rows_per_request, device=logits.device)
+
+    def per_row(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values[index].repeat_interleave(repeats)
+
+    scaled = logits.to(torch.float32) / per_row(sampling_metadata.temperature)[:, None]
+    return apply_top_k_top_p(scaled, per_row(sampling_metadata.top_k), per_row(sampling_metadata.top_p)).softmax(-1)
+
+
+class TreeRunnerMixin:
+    """Overrides of the V1 model runner; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self.__init_tree__()
+
+    def __init_tree__(self) -> None:
+        self.tree_config = plugin_config(self.vllm_config)
+        if self.tree_config is None:
+            return
+        if self.device.type == "cpu":
+            attention.install_cpu_tree_attention()
+        elif self.device.type != "cuda":
+            raise NotImplementedError(
+                f"vllm-specbeam tree verification runs on vLLM's CPU backend and on CUDA GPUs, "
+                f"not on {self.device.type!r} devices"
+            )
+        self.greedy_verifier, self.sampling_verifier, self.chain_verifier = METHODS[self.tree_config.method].verifiers()
+        self.move_accepted_kv = True  # switched off only by a test that proves the move matters
+        self._proposed: dict[str, DraftTree] = {}
+        self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
+        #: trees at the end of tree-prompt requests' prompts (:mod:`vllm_specbeam.adapter.tree_prompt`)
+        self._prompt_trees: dict[str, DraftTree] = {}
+        self._tree_step: attention.TreeStep | gpu_attention.GpuTreeStep | None = None
+        self._step_drafts: tuple[list[str], list[list[int]]] | None = None
+        #: running totals read by tests and benchmarks (``LLM.collective_rpc``)
+        self.tree_stats = {
+            "trees": 0,
+            "nodes": 0,
+            "accepted": 0,
+            "accepted_off_first_branch": 0,
+            "kv_moves": 0,
+            "draft_seconds": 0.0,
+            "preempted": 0,
+            "block_verified": 0,
+            # beam rules: beams kept, summed over accepted depths (mean width = sum / depths)
+            "beam_width_sum": 0,
+            "beam_depths": 0,
+        }
+
+    @property
+    def tree_drafter(self) -> TreeDrafter:
+        return self.drafter.drafter
+
+    # -------------------------------------------------------------- lifecycle
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        if self.tree_config is None:
+            return
+        impls = [layer.impl for layer in self._attention_layers().values()]
+        if self.device.type == "cpu":
+            attention.check_cpu_attention_supported(impls)
+        else:
+            gpu_attention.check_tree_backend(impls)
+
+    def _attention_layers(self) -> dict[str, Any]:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        return get_layers_from_vllm_config(self.vllm_config, Attention)
+
+    @functools.cached_property
+    def _kv_layers(self) -> list[tuple[Any, torch.Tensor]]:
+        """(attention layer, its KV cache) once per distinct cache tensor."""
+        seen, layers = set(), []
+        for layer in self._attention_layers().values():
+            kv_cache = layer.kv_cache
+            if isinstance(kv_cache, torch.Tensor) and kv_cache.data_ptr() not in seen:
+                seen.add(kv_cache.data_ptr())
+                layers.append((layer, kv_cache))
+        return layers
+
+    @functools.cached_property
+    def _kv_layer_pointers(self) -> torch.Tensor:
+        """The ``kv_move`` kernel's table of cache base addresses (caches never move)."""
+        return kv_move.layer_pointer_table([kv_cache for _, kv_cache in self._kv_layers])
+
+    def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        if self.tree_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(
+                "vllm-specbeam tree verification needs a model with one KV cache group "
+                "(plain full attention); this model has hybrid or several attention groups"
+            )
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+
+    def _update_states(self, scheduler_output: Any) -> Any:
+        if self.tree_config is not None:
+            finished = set(scheduler_output.finished_req_ids)
+            for req_id in finished:
+                self._proposed.pop(req_id, None)
+                self._prompt_trees.pop(req_id, None)
+            for new in scheduler_output.scheduled_new_reqs:
+                tree = tree_prompt.prompt_tree(new.sampling_params, new.prompt_token_ids or [])
+                if tree is not None:
+                    self._prompt_trees[new.req_id] = tree
+            # A preempted request's drafter state is rebuilt when it resumes;
+            # its last tree is kept: the scheduler may verify those drafts
+            # right after the resumed request's recomputed tokens.
+            preempted = set(scheduler_output.preempted_req_ids or ())
+            self.tree_stats["preempted"] += len(preempted)
+            gone = finished | preempted
+            if gone:
+                self.tree_drafter.remove_requests(gone)
+        return super()._update_states(scheduler_output)
+
+    # -------------------------------------------------------------- inputs
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self.tree_config is None:
+            return result
+        self._verifying = []
+        context_lens = []
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if not drafts:
+                continue
+            if min(drafts) < 0:
+                # vLLM 0.32.0 scheduler.py pads a (re)starting decode to the
+                # full draft length with -1 (to keep CUDA graphs uniform):
+                # rows to skip, nothing to verify.
+                tree = DraftTree.empty()
+            else:
+                # The scheduler may cut the list short; a prefix of a
+                # topologically ordered tree is still a tree.
+                tree = self._proposed[req_id].truncate(len(drafts))
+                if tree.tokens.tolist() != list(drafts):
+                    raise RuntimeError(f"vllm-specbeam: drafts scheduled for {req_id} are not the tree proposed for it")
+            index = self.input_batch.req_id_to_index[req_id]
+            # The drafts are the last rows of the request; before the root may
+            # come prompt or recomputed tokens (a resumed request).
+            before_root = int(num_scheduled_tokens[index]) - 1 - len(drafts)
+            root_row = int(self.query_start_loc.np[index]) + before_root
+            self._verifying.append((req_id, index, root_row, tree))
+            context_lens.append(int(self.input_batch.num_computed_tokens_cpu[index]) + before_root)
+        entries = [(index, row, context, tree) for (_, index, row, tree), context in zip(self._verifying, context_lens)]
+        entries += self._prompt_tree_entries(num_scheduled_tokens)
+        if not entries:
+            self._tree_step = None
+            return result
+        step = self._build_tree_step(entries, scheduler_output.total_num_scheduled_tokens)
+        # Slots were computed from the linear positions above and stay linear;
+        # only the positions the model sees (RoPE) become context + depth.
+        self.positions[step.node_rows.to(self.positions.device)] = step.node_positions.to(
+            self.positions.device, self.positions.dtype
+        )
+        self._tree_step = step
+        return result
+
+    def _prompt_tree_entries(self, num_scheduled_tokens: np.ndarray) -> list[tuple[int, int, int, DraftTree]]:
+        """(batch index, root row, root position, tree) of the tree-prompt
+        requests whose tree rows are computed this step.
+
+        The whole prompt is scheduled in one step: tree-prompt requests are
+        admitted only when chunked prefill is off (plugin.py checks).
+        """
+        entries = []
+        for req_id, tree in self._prompt_trees.items():
+            index = self.input_batch.req_id_to_index.get(req_id)
+            if index is None:
+                continue
+            computed = int(self.input_batch.num_computed_tokens_cpu[index])
+            root = self.requests[req_id].num_prompt_tokens - tree.num_nodes - 1
+            if computed <= root < computed + int(num_scheduled_tokens[index]):
+                entries.append((index, int(self.query_start_loc.np[index]) + root - computed, root, tree))
+        return entries
+
+    def _build_tree_step(
+        self, entries: list[tuple[int, int, int, DraftTree]], num_tokens: int
+    ) -> attention.TreeStep | gpu_attention.GpuTreeStep:
+        """The attention layers' view of this step's trees, built once per step.
+
+        ``entries``: (batch index, root row, root position, tree) of the
+        verifying requests and of the tree-prompt requests.
+        """
+        indices = [index for index, *_ in entries]
+        root_rows = [row for _, row, _, _ in entries]
+        context_lens = [context for _, _, context, _ in entries]
+        trees = [tree for *_, tree in entries]
+        if self.device.type == "cpu":
+            return attention.TreeStep.build(indices, root_rows, context_lens, trees)
+        # vLLM 0.32.0 gpu_model_runner.py _prepare_inputs: query_start_loc.np
+        # holds each request's first token row.
+        request_starts = self.query_start_loc.np[indices].tolist()
+        return gpu_attention.GpuTreeStep.build(request_starts, root_rows, context_lens, trees, num_tokens, self.device)
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.tree_config is None:
+            return super()._model_forward(*args, **kwargs)
+        with tree_step(self._tree_step):
+            return super()._model_forward(*args, **kwargs)
+
+    # -------------------------------------------------------------- verify
+    def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+        if self.tree_config is None or spec_decode_metadata is None or not self._verifying:
+            return super()._sample(logits, spec_decode_metadata)
+        from dataclasses import replace
+
+        from vllm.v1.outputs import SamplerOutput
+
+        sampling_metadata = self.input_batch.sampling_metadata
+        # Requests without a tree this step: one token, sampled by vLLM as usual.
+        plain = self.sampler(
+            logits=logits[spec_decode_metadata.bonus_logits_indices],
+            sampling_metadata=replace(sampling_metadata, max_num_logprobs=None),
+        ).sampled_token_ids.view(-1)
+
+        num_reqs = plain.shape[0]
+        width = spec_decode_metadata.max_spec_len + 1
+        first_logit = spec_decode_metadata.cu_num_sampled_tokens.cpu().numpy() - (
+            np.asarray(spec_decode_metadata.num_draft_tokens) + 1
+        )
+        verdicts = self._verify(logits, first_logit, spec_decode_metadata, sampling_metadata)
+
+        output = torch.full((num_reqs, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
+        output[:, 0] = plain.to(torch.int32)
+        logit_rows = np.repeat(first_logit[:, None], width, axis=1)  # rows whose logprobs vLLM reports
+        src_rows, dst_rows = [], []
+        for (_, index, root_row, tree), (path, tokens) in zip(self._verifying, verdicts):
+            output[index, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            self._count(tree, path)
+            logit_rows[index, 1 : len(tokens)] = first_logit[index] + 1 + path
+            moved = path + 1 != np.arange(1, path.size + 1)
+            src_rows.append(root_row + 1 + path[moved])
+            dst_rows.append(root_row + 1 + np.flatnonzero(moved))
+        if self.move_accepted_kv:
+            self._move_accepted_kv(src_rows, dst_rows)
+        self._verifying = []
+        self._tree_step = None
+        output = output.to(logits.device)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            chosen = logits[torch.from_numpy(logit_rows.reshape(-1)).to(logits.device)].to(torch.float32)
+            tokens = output.view(-1).to(torch.int64).clamp(min=0)
+            logprobs = self.sampler.gather_logprobs(
+                self.sampler.compute_logprobs(chosen), sampling_metadata.max_num_logprobs, tokens
+            )
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+
+    def _move_accepted_kv(self, src_rows: list[np.ndarray], dst_rows: list[np.ndarray]) -> None:
+        """Copy the accepted nodes' K/V, all layers, from token rows ``src_rows``
+        to ``dst_rows`` (one array per verifying request, root-first).
+
+        Rows become slots through the step's slot mapping, which vLLM 0.32.0
+        v1/worker/block_table.py ``compute_slot_mapping`` writes into
+        ``slot_mapping.gpu`` (a CPU tensor too on the CPU backend).
+        """
+        slots = self.input_batch.block_table[0].slot_mapping.gpu
+        counts = [moves.size for moves in src_rows]
+        rows = torch.from_numpy(np.concatenate([*src_rows, *dst_rows])).to(slots.device)
+        src, dst = slots[rows].to(torch.int64).tensor_split([sum(counts)])
+        if self.device.type == "cpu":
+            attention.move_kv(self._kv_layers, src, dst)
+        else:
+            # One launch for all layers; each request's moves run in order, in place.
+            cu_moves = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            kv_move.kv_move(
+                [kv_cache for _, kv_cache in self._kv_layers], src, dst,
+                torch.from_numpy(cu_moves).to(slots.device), self._kv_layer_pointers,
+            )  # fmt: skip
+        self.tree_stats["kv_moves"] += sum(counts)
+
+    def _verify(
+        self, logits: torch.Tensor, first_logit: np.ndarray, spec_decode_metadata: Any, sampling_metadata: Any
+    ) -> list[tuple[np.ndarray, list[int]]]:
+        """(accepted path, tokens to commit) per verifying request.
+
+        Greedy requests: exact argmax matching on the raw logits. Sampled
+        requests: the method's lossless rule on the target's probabilities
+        after vLLM's own temperature / top-k / top-p processing; a sampled
+        request whose draft is a single chain gets block verification when the
+        method allows it (never fewer accepted tokens, same distribution).
+        """
+        rules = [self._rule_for(req_id, tree) for req_id, _, _, tree in self._verifying]
+        results: list[tuple[np.ndarray, list[int]] | None] = [None] * len(self._verifying)
+        for rule in {id(r): r for r in rules}.values():
+            chosen = [k for k, r in enumerate(rules) if r is rule]
+            indices = [self._verifying[k][1] for k in chosen]
+            trees = [self._verifying[k][3] for k in chosen]
+            if rule is self.greedy_verifier:
+                verdict = rule.verify(trees, logits, first_logit[indices])
+            else:
+                rows_per_request = np.array([tree.num_nodes + 1 for tree in trees])
+                rows = np.concatenate([first_logit[i] + np.arange(n) for i, n in zip(indices, rows_per_request)])
+                verdict = rule.verify(
+                    trees,
+                    target_probabilities(logits[torch.from_numpy(rows)], indices, rows_per_request, sampling_metadata),
+                    np.concatenate([[0], np.cumsum(rows_per_request)[:-1]]),
+                    [sampling_metadata.generators.get(index) for index in indices],
+                )
+            if rule is self.chain_verifier:
+                self.tree_stats["block_verified"] += len(chosen)
+            for widths in verdict.widths or ():
+                self.tree_stats["beam_width_sum"] += sum(widths)
+                self.tree_stats["beam_depths"] += len(widths)
+            for k, path, tokens in zip(chosen, verdict.accepted, verdict.tokens):
+                results[k] = (path, tokens)
+        return results
+
+    def _rule_for(self, req_id: str, tree: DraftTree) -> Any:
+        if self.requests[req_id].sampling_params.temperature < SAMPLING_EPS:
+            return self.greedy_verifier
+        if self.chain_verifier is not None and tree.is_chain:
+            return self.chain_verifier
+        return self.sampling_verifier
+
+    def _count(self, tree: DraftTree, path: np.ndarray) -> None:
+        if tree.num_nodes == 0:  # vLLM's padding rows, not a draft
+            return
+        stats = self.tree_stats
+        stats["trees"] += 1
+        stats["nodes"] += tree.num_nodes
+        stats["accepted"] += int(path.size)
+        first_children = {int(p): int(np.argmax(tree.parents == p)) for p in tree.parents[path]}
+        stats["accepted_off_first_branch"] += sum(first_children[int(tree.parents[n])] != int(n) for n in path)
+
+    # -------------------------------------------------------------- draft
+    def take_draft_token_ids(self) -> Any:
+        """Hand the scheduler this step's trees, and nothing else.
+
+        vLLM 0.32.0 gpu_model_runner.py ``take_draft_token_ids`` reads a
+        buffer that, on steps where the drafter is skipped (e.g. no request
+        was verifying), holds stale or placeholder ids; the scheduler would
+        then schedule drafts no tree describes. Here a step without proposals
+        gives no drafts.
+        """
+        if self.tree_config is None:
+            return super().take_draft_token_ids()
+        from vllm.v1.outputs import DraftTokenIds
+
+        drafts, self._step_drafts = self._step_drafts, None
+        return None if drafts is None else DraftTokenIds(*drafts)
+
+    def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.tree_config is None:
+            return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
+        batch = self.input_batch
+        requests, positions = [], []
+        for index, req_id in enumerate(batch.req_ids):
+            state = self.requests[req_id]
+            params = state.sampling_params
+            if (
+                not sampled_token_ids[index]
+                or params is None
+                or not request_supports_trees(params)
+                or len(state.output_token_ids) >= (params.max_tokens or 1 << 62)
+            ):  # finished: no draft
+                continue
+            num_tokens = int(batch.num_tokens_no_spec[index])
+            requests.append(
+                DraftRequest(
+                    req_id=req_id,
+                    token_ids=batch.token_ids_cpu[index, :num_tokens],
+                    options=self.tree_config.with_overrides(params.extra_args),
+                    temperature=params.temperature,
+                )
+            )
+            positions.append(index)
+        drafts: list[list[int]] = [[] for _ in batch.req_ids]
+        max_len = self.vllm_config.model_config.max_model_len
+        start = time.perf_counter()
+        trees = self.tree_drafter.propose(requests)
+        self.tree_stats["draft_seconds"] += time.perf_counter() - start
+        for index, request, tree in zip(positions, requests, trees):
+            # Every node needs a KV slot below max_model_len.
+            tree = tree.truncate(max(0, min(tree.num_nodes, max_len - request.token_ids.size - 1)))
+            self._proposed[request.req_id] = tree
+            drafts[index] = tree.tokens.tolist()
+        self._step_drafts = (list(batch.req_ids), drafts)
+        return drafts
+
+
+@functools.cache
+def tree_runner_class(base: type) -> type:
+    """``base`` (vLLM's CPU or GPU model runner) with tree verification."""
+    return type(f"Tree{base.__name__}", (TreeRunnerMixin, base), {})

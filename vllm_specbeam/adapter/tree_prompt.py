@@ -1,0 +1,150 @@
+"""Tree prompts: a draft tree appended to a prompt, scored in one prefill.
+
+Speculative beam search (:mod:`vllm_specbeam.adapter.beam_search`) keeps ``W`` target
+beams that are different sequences; vLLM keeps one sequence per request. So
+each beam is submitted as an ordinary request whose prompt is the beam's
+tokens followed by the flattened draft tree below it, with the tree's parents
+in ``SamplingParams.extra_args[TREE_PARENTS_KEY]``. The plugin's runner gives
+those last prompt rows depth-based positions and ancestor-only attention, the
+same treatment draft trees get in a decode step, and vLLM's own prompt
+logprobs return the target's top tokens at every tree row. All beams of all
+prompts go into one ``generate`` call, so the whole forest is verified in one
+target pass, and the beams share their common prompt's KV blocks through
+vLLM's prefix cache.
+
+Two things keep this exact:
+
+* **the root row is computed.** The distribution after the beam's last token
+  (the tree's root) is read off the root row; the row must not come from the
+  prefix cache. :func:`block_hash_extra_keys` gives every cache block that
+  holds the root or a tree row a key unique to the request, so no later
+  request can hit those blocks either: their keys were computed with tree
+  positions and masks, and must never serve a linear sequence that happens to
+  have the same tokens.
+* **prompt logprobs are read from the end.** With prefix caching kept on
+  (``skip_reading_prefix_cache=False``) vLLM returns prompt logprobs only for
+  the rows it computed; the last ``num_nodes`` entries are always the tree's.
+  Entry ``k`` of them was computed at the row *before* tree token ``k`` in
+  the flattened order (the root, then node ``k - 1``): its top tokens are the
+  target's distribution at that row, whatever token comes next in the list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from vllm_specbeam.core.tree import DraftTree
+
+#: ``SamplingParams.extra_args`` key holding the parents of the tree that ends the prompt
+TREE_PARENTS_KEY = "specbeam_tree_parents"
+
+
+CHUNKED_PREFILL = (
+    "tree prompts (speculative beam search) need an engine without chunked prefill: "
+    "start it with enable_chunked_prefill=False (--no-enable-chunked-prefill)"
+)
+
+
+class TreePromptError(ValueError):
+    """A tree-prompt request that cannot be scored as asked."""
+
+
+def tree_parents(extra_args: Mapping[str, Any] | None) -> list[int] | None:
+    """The parents of a tree-prompt request, ``None`` for any other request."""
+    if not extra_args or TREE_PARENTS_KEY not in extra_args:
+        return None
+    return extra_args[TREE_PARENTS_KEY]
+
+
+def check_params(params: Any, chunked_prefill: bool) -> None:
+    """Admission check of a tree-prompt request (fails that request only).
+
+    The runner scores a tree only when its root and all its rows are computed
+    in one step, which only an engine without chunked prefill guarantees. The
+    tree's length against the prompt's is the runner's to check: a tree that
+    does not fit below at least one prompt token is ignored there.
+    """
+    parents = tree_parents(getattr(params, "extra_args", None))
+    if parents is None:
+        return
+    if not isinstance(parents, list) or not all(type(p) is int for p in parents):
+        raise TreePromptError(f"extra_args[{TREE_PARENTS_KEY!r}] must be a list of ints, got {parents!r}")
+    try:
+        DraftTree(np.zeros(len(parents), np.int64), np.asarray(parents, np.int64))
+    except ValueError as error:
+        raise TreePromptError(f"extra_args[{TREE_PARENTS_KEY!r}]: {error}") from error
+    if parents and chunked_prefill:
+        raise TreePromptError(CHUNKED_PREFILL)
+    if parents and (params.prompt_logprobs is None or params.skip_reading_prefix_cache is not False):
+        raise TreePromptError(
+            "a tree-prompt request needs prompt_logprobs (the tree rows' scores) and "
+            "skip_reading_prefix_cache=False (beams share their prefix through the cache)"
+        )
+
+
+def prompt_tree(params: Any, prompt_token_ids: Sequence[int]) -> DraftTree | None:
+    """The tree at the end of an admitted request's prompt; ``None`` for
+    ordinary requests and for a tree with no prompt token left to be its root."""
+    parents = tree_parents(getattr(params, "extra_args", None))
+    if not parents or len(parents) >= len(prompt_token_ids):
+        return None
+    tokens = np.asarray(prompt_token_ids[len(prompt_token_ids) - len(parents) :], np.int64)
+    return DraftTree(tokens, np.asarray(parents, np.int64))
+
+
+def request_params(parents: Sequence[int], num_logprobs: int) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments scoring a tree of ``parents`` at the
+    end of the prompt: the top ``num_logprobs`` tokens at every tree row and at
+    the root (greedy, one token: the last row's distribution is the sampled
+    token's logprobs)."""
+    kwargs: dict[str, Any] = {
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "logprobs": num_logprobs,
+        "detokenize": False,
+        "extra_args": {TREE_PARENTS_KEY: [int(p) for p in parents]},
+    }
+    if len(parents):
+        kwargs.update(prompt_logprobs=num_logprobs, skip_reading_prefix_cache=False)
+    return kwargs
+
+
+def row_logprobs(output: Any, num_nodes: int) -> list[dict[int, Any]]:
+    """The target's logprob dicts at the root and at every tree node (``num_nodes + 1``).
+
+    ``output`` is the request's ``RequestOutput``. Row ``r`` is the root for
+    ``r = 0`` and node ``r - 1`` otherwise.
+    """
+    last = output.outputs[0].logprobs[0]
+    if num_nodes == 0:
+        return [last]
+    prompt = output.prompt_logprobs or []
+    rows = prompt[len(prompt) - num_nodes :]
+    if len(rows) != num_nodes or any(row is None for row in rows):
+        raise TreePromptError(
+            f"request {output.request_id}: vLLM returned {len(prompt)} prompt logprob rows, "
+            f"fewer than the tree's {num_nodes}: its root row came from the prefix cache"
+        )
+    return [*rows, last]
+
+
+def block_hash_extra_keys(stock: Any) -> Any:
+    """Wrap vLLM 0.32.0 ``v1/core/kv_cache_utils.generate_block_hash_extra_keys``:
+    blocks that hold the root or a tree row of a tree-prompt request get the
+    request id as an extra key (see the module docstring)."""
+
+    def generate_block_hash_extra_keys(
+        request: Any, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+    ) -> tuple[tuple[Any, ...] | None, int]:
+        keys, next_mm_idx = stock(request, start_token_idx, end_token_idx, start_mm_idx)
+        parents = tree_parents(getattr(request.sampling_params, "extra_args", None))
+        if parents:
+            root = request.num_prompt_tokens - len(parents) - 1
+            if end_token_idx > root:
+                keys = (*(keys or ()), ("specbeam_tree", request.request_id))
+        return keys, next_mm_idx
+
+    return generate_block_hash_extra_keys

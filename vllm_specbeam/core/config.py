@@ -1,0 +1,220 @@
+"""The plugin's methods, their options, and their validation.
+
+Users write one flat JSON object, exactly where vLLM expects it::
+
+    --speculative-config '{"method": "lookup_tree", "num_speculative_tokens": 4, "max_nodes": 16}'
+
+For tree methods ``num_speculative_tokens`` is the draft *depth*. Every check
+here runs in the front end, before the engine starts, so a typo is a one-line
+error message and not a traceback from inside vLLM; the same checks run again
+for per-request overrides (``SamplingParams.extra_args``), failing only that
+request.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SpecbeamConfigError(ValueError):
+    """A speculative-config or per-request option the plugin cannot use."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One user-facing option: its default, type and valid range."""
+
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[Any, ...] | None = None
+    #: False for options that shape engine-wide state (files, models)
+    per_request: bool = True
+
+    def check(self, name: str, value: Any) -> Any:
+        kind = type(self.default)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not kind:
+            raise SpecbeamConfigError(
+                f"option {name!r} must be a {kind.__name__}, got {value!r} ({type(value).__name__})"
+            )
+        if self.choices is not None and value not in self.choices:
+            raise SpecbeamConfigError(f"option {name!r} must be one of {list(self.choices)}, got {value!r}")
+        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+            raise SpecbeamConfigError(f"option {name!r} must be in [{self.low}, {self.high}], got {value!r}")
+        return value
+
+
+#: Options every tree method has.
+TREE_OPTIONS: dict[str, Option] = {
+    "num_speculative_tokens": Option(4, "draft depth: tokens along one branch", 1, 32),
+    "max_nodes": Option(16, "node budget of one draft tree (all branches together)", 1, 128),
+}
+
+
+def _load(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method name users can pass, and where its drafter lives."""
+
+    drafter: str | None  # "module:Class", None until the method lands
+    needs_draft_model: bool = False
+    issue: str = ""
+    #: acceptance rules ("module:Class") for temperature 0, for sampling, and
+    #: for sampling when the draft is a single chain (None: the sampling rule)
+    greedy_verifier: str = "vllm_specbeam.core.verifiers.greedy:GreedyTreeVerifier"
+    sampling_verifier: str = "vllm_specbeam.core.verifiers.rejection:RejectionTreeVerifier"
+    chain_verifier: str | None = "vllm_specbeam.core.verifiers.block:BlockVerifier"
+
+    def drafter_class(self) -> type:
+        return _load(self.drafter)
+
+    def verifiers(self) -> tuple[Any, Any, Any]:
+        """(greedy, sampling, chain-sampling or None) rule instances."""
+        chain = None if self.chain_verifier is None else _load(self.chain_verifier)()
+        return _load(self.greedy_verifier)(), _load(self.sampling_verifier)(), chain
+
+    def options(self) -> dict[str, Option]:
+        return {**TREE_OPTIONS, **getattr(self.drafter_class(), "OPTIONS", {})}
+
+    def check(self, options: dict[str, Any], startup: bool = False) -> dict[str, Any]:
+        """Checks that involve several options at once; with ``startup``, also
+        the drafter's checks of files and models (once per engine, never per
+        request: per-request overrides cannot change engine-wide options)."""
+        if options["max_nodes"] < options["num_speculative_tokens"]:
+            raise SpecbeamConfigError(
+                f"max_nodes={options['max_nodes']} cannot hold one branch of depth "
+                f"num_speculative_tokens={options['num_speculative_tokens']}; raise max_nodes or lower the depth"
+            )
+        drafter = self.drafter_class()
+        drafter.check_options(options)
+        if startup:
+            drafter.check_startup(options)
+        return options
+
+
+METHODS: dict[str, Method] = {
+    "lookup_tree": Method("vllm_specbeam.methods.lookup_tree.drafter:LookupTreeDrafter"),
+    "dsbd": Method(
+        "vllm_specbeam.methods.dsbd.drafter:DsbdDrafter",
+        needs_draft_model=True,
+        greedy_verifier="vllm_specbeam.methods.dsbd.verifier:DsbdGreedyVerifier",
+        sampling_verifier="vllm_specbeam.methods.dsbd.verifier:DsbdVerifier",
+        chain_verifier=None,
+    ),
+    "mcsd": Method(None, needs_draft_model=True, issue="multi-candidate speculative decoding"),
+    "mjsd": Method(None, needs_draft_model=True, issue="multi-token joint speculative decoding"),
+    "aded": Method("vllm_specbeam.methods.aded.drafter:AdedDrafter"),
+}
+
+#: Keys of vLLM's own SpeculativeConfig that the plugin forwards or uses as is.
+VLLM_KEYS = ("method", "model")
+
+
+@dataclass(frozen=True)
+class SpecbeamConfig:
+    """A validated plugin configuration; travels to vLLM's workers as a plain
+    dict (:mod:`vllm_specbeam.adapter.engine_config`)."""
+
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+    draft_model: str | None = None
+
+    @property
+    def depth(self) -> int:
+        return self.options["num_speculative_tokens"]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.options["max_nodes"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "options": dict(self.options), "draft_model": self.draft_model}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SpecbeamConfig:
+        return cls(data["method"], dict(data["options"]), data.get("draft_model"))
+
+    def with_overrides(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The options for one request: engine defaults plus its ``extra_args``.
+
+        Only this method's options are read from ``extra_args``; other keys
+        belong to other plugins or to the user. Depth and node budget can only
+        be lowered per request: the engine's KV and metric sizes follow them.
+        """
+        options = dict(self.options)
+        if not overrides:
+            return options
+        method = METHODS[self.method]
+        specs = method.options()
+        for name, value in overrides.items():
+            if name in specs:
+                if not specs[name].per_request:
+                    raise SpecbeamConfigError(
+                        f"option {name!r} is engine-wide and cannot be set per request; "
+                        f"set it in the engine's speculative config"
+                    )
+                options[name] = specs[name].check(name, value)
+        method.check(options)
+        for name in TREE_OPTIONS:
+            if options[name] > self.options[name]:
+                raise SpecbeamConfigError(
+                    f"per-request {name}={options[name]} exceeds the engine's {name}={self.options[name]}; "
+                    f"start the engine with a larger value or lower it for this request"
+                )
+        return options
+
+
+def is_plugin_method(speculative_config: Mapping[str, Any] | None) -> bool:
+    return bool(speculative_config) and speculative_config.get("method") in METHODS
+
+
+def parse(speculative_config: Mapping[str, Any], target_tokenizer: str | None = None) -> SpecbeamConfig:
+    """Validate a user's speculative config for one of the plugin's methods.
+
+    ``target_tokenizer`` (the target model's tokenizer name or path) fills the
+    ``tokenizer`` option of drafters that check vocabularies, unless the user
+    set it, so those checks run here, before the engine starts.
+    """
+    user = {k.replace("-", "_"): v for k, v in speculative_config.items()}
+    name = user.pop("method")
+    method = METHODS[name]
+    if method.drafter is None:
+        available = sorted(m for m, spec in METHODS.items() if spec.drafter is not None)
+        raise SpecbeamConfigError(
+            f"speculative method {name!r} ({method.issue}) is not available yet in this version of "
+            f"vllm-specbeam; available plugin methods: {available}"
+        )
+    draft_model = user.pop("model", None)
+    if method.needs_draft_model and not draft_model:
+        raise SpecbeamConfigError(
+            f'speculative method {name!r} needs a draft model: add "model": "<path or hub name>" '
+            f"to the speculative config"
+        )
+    if draft_model and not method.needs_draft_model:
+        raise SpecbeamConfigError(
+            f'speculative method {name!r} uses no draft model; remove "model" from the speculative config'
+        )
+    specs = method.options()
+    user.pop("draft_model", None)  # given as "model", like vLLM's draft methods
+    unknown = sorted(set(user) - set(specs))
+    if unknown:
+        raise SpecbeamConfigError(
+            f"unknown option(s) {unknown} for speculative method {name!r}; valid options: "
+            f"{sorted([*VLLM_KEYS, *specs]) if method.needs_draft_model else sorted(['method', *specs])}"
+        )
+    options = {key: spec.check(key, user.get(key, spec.default)) for key, spec in specs.items()}
+    if "tokenizer" in options and not options["tokenizer"] and target_tokenizer:
+        options["tokenizer"] = target_tokenizer
+    if "draft_model" in options and draft_model:
+        options["draft_model"] = draft_model
+    return SpecbeamConfig(name, method.check(options, startup=True), draft_model)

@@ -1,0 +1,74 @@
+"""The small interface every drafting strategy implements.
+
+Modelled on vLLM's ``v1/spec_decode`` proposers: one class per file, created
+once per worker, asked once per engine step for the drafts of every running
+request. Unlike vLLM's proposers a drafter returns a :class:`DraftTree` per
+request, which may be a chain, a tree or a forest.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_specbeam.core.tree import DraftTree
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter may read about one request at one step."""
+
+    req_id: str
+    #: every committed token so far: prompt then generated (the root is the last one)
+    token_ids: np.ndarray
+    #: the strategy's options after per-request overrides (``SamplingParams.extra_args``)
+    options: Mapping[str, Any]
+    #: temperature of the request (0 = greedy)
+    temperature: float = 0.0
+
+
+class TreeDrafter(ABC):
+    """Proposes one draft tree per request per step.
+
+    ``options`` are the validated, engine-wide defaults of the strategy
+    (see :mod:`vllm_specbeam.core.config`); per-request values arrive with each
+    :class:`DraftRequest`.
+    """
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.options = dict(options)
+
+    @staticmethod
+    def check_options(options: Mapping[str, Any]) -> None:
+        """Raise ``SpecbeamConfigError`` for option values that do not go
+        together. Runs at start-up and for every request's overrides, so it
+        must be cheap."""
+
+    @staticmethod
+    def check_startup(options: Mapping[str, Any]) -> None:
+        """Raise ``SpecbeamConfigError`` when the engine-wide options name files
+        or models that cannot serve (missing, other vocabulary). Runs once, in
+        the front end, before the engine starts."""
+
+    def load_model(self, target_model: Any) -> None:
+        """Called once the target is loaded; drafters with a model load theirs here."""
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        """One tree per request (``DraftTree.empty()`` for no draft this step).
+
+        A tree may hold at most ``options["max_nodes"]`` nodes and reach at most
+        ``options["num_speculative_tokens"]`` deep.
+        """
+
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        """Free per-request state: the request finished, was aborted or preempted."""
+
+    @property
+    def live_requests(self) -> int:
+        """Requests whose state this drafter holds now (what :meth:`remove_requests` frees)."""
+        return 0

@@ -1,0 +1,199 @@
+"""The one tree type every strategy drafts into and every verifier reads.
+
+A draft tree hangs below the request's last committed token (the *root*, which
+is not stored: it is already known to the engine). Nodes are kept as flat
+arrays in topological order (``parents[i] < i``) so that
+
+* any prefix of the arrays is itself a valid tree (vLLM's scheduler may cut
+  the draft list short when the token budget runs out),
+* the accepted path can be moved into place in increasing order without
+  overwriting a node that is still to be read, and
+* the verification rows of a request are simply ``[root, node 0, node 1, ...]``.
+
+Row 0 of every per-row array below is the root; node ``i`` is row ``i + 1``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens with their parents (``ROOT`` for children of the root).
+
+    ``draft_probs`` is optional: for node ``i`` it holds ``q(. | path to its
+    parent)``, the distribution the drafter drew node ``i`` from, which the
+    stochastic verifiers need. Deterministic drafters (lookup, tri-grams) leave
+    it ``None``.
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    draft_probs: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+        parents = np.asarray(self.parents, dtype=np.int64).reshape(-1)
+        if tokens.shape != parents.shape:
+            raise ValueError(f"tokens ({tokens.size}) and parents ({parents.size}) differ in length")
+        if parents.size and not np.all((parents >= ROOT) & (parents < np.arange(parents.size))):
+            raise ValueError("parents must be ROOT (-1) or an earlier node index (topological order)")
+        if self.draft_probs is not None and len(self.draft_probs) != tokens.size:
+            raise ValueError("draft_probs needs one row per node")
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+
+    # ------------------------------------------------------------ builders
+    @classmethod
+    def empty(cls) -> DraftTree:
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """A single branch: what vLLM's chain methods draft."""
+        return cls(np.asarray(tokens, np.int64), np.arange(len(tokens)) - 1)
+
+    @classmethod
+    def from_paths(cls, paths: Iterable[Sequence[int]], max_nodes: int | None = None) -> DraftTree:
+        """Merge token paths into a trie, in the order given.
+
+        Earlier paths win when ``max_nodes`` runs out, so callers pass their
+        most promising continuation first. A path is kept as far as the budget
+        allows (its prefix), never with a gap.
+        """
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}
+        for path in paths:
+            node = ROOT
+            for token in path:
+                key = (node, int(token))
+                if key not in children:
+                    if max_nodes is not None and len(tokens) >= max_nodes:
+                        break
+                    children[key] = len(tokens)
+                    tokens.append(int(token))
+                    parents.append(node)
+                node = children[key]
+        return cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
+
+    @classmethod
+    def from_weighted_paths(cls, paths: Sequence[Sequence[int]], weights: Sequence[float], max_nodes: int) -> DraftTree:
+        """Merge paths into a trie and keep the ``max_nodes`` heaviest nodes.
+
+        A node weighs the sum of the weights of the paths through it, so it is
+        never heavier than its parent: taking nodes best-first from the
+        frontier keeps the tree connected. Ties go to the node first seen in
+        ``paths``. The kept nodes are laid out depth-first, heaviest child
+        first, so the most likely branch is one run of consecutive rows: the
+        stock causal attention is already right for it.
+        """
+        weight: dict[tuple[int, ...], float] = {}
+        for path, w in zip(paths, weights):
+            for depth in range(1, len(path) + 1):
+                prefix = tuple(int(t) for t in path[:depth])
+                weight[prefix] = weight.get(prefix, 0.0) + float(w)
+        order = {prefix: i for i, prefix in enumerate(weight)}
+        children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for prefix in weight:
+            children.setdefault(prefix[:-1], []).append(prefix)
+        rank = {prefix: (-weight[prefix], order[prefix]) for prefix in weight}
+        frontier = [(rank[c], c) for c in children.get((), [])]
+        heapq.heapify(frontier)
+        kept: set[tuple[int, ...]] = set()
+        while frontier and len(kept) < max_nodes:
+            _, prefix = heapq.heappop(frontier)
+            kept.add(prefix)
+            for c in children.get(prefix, []):
+                heapq.heappush(frontier, (rank[c], c))
+        tokens: list[int] = []
+        parents: list[int] = []
+        stack = [(c, ROOT) for c in sorted(children.get((), []), key=rank.get, reverse=True) if c in kept]
+        while stack:
+            prefix, parent = stack.pop()
+            tokens.append(prefix[-1])
+            parents.append(parent)
+            below = [c for c in children.get(prefix, []) if c in kept]
+            stack.extend((c, len(tokens) - 1) for c in sorted(below, key=rank.get, reverse=True))
+        return cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
+
+    # ------------------------------------------------------------ queries
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.size)
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    @cached_property
+    def depths(self) -> np.ndarray:
+        """Depth of every node (children of the root have depth 1)."""
+        depth = np.zeros(self.num_nodes, np.int64)
+        for i, parent in enumerate(self.parents):
+            depth[i] = 1 if parent == ROOT else depth[parent] + 1
+        return depth
+
+    @property
+    def is_chain(self) -> bool:
+        """Non-empty and a single branch."""
+        return self.num_nodes > 0 and bool(np.all(self.parents == np.arange(self.num_nodes) - 1))
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max(initial=0))
+
+    @cached_property
+    def ancestor_mask(self) -> np.ndarray:
+        """``mask[r, c]``: row ``c`` is row ``r`` itself or one of its ancestors.
+
+        Rows and columns are verification rows (0 = root). This is exactly the
+        attention pattern of the tree rows among themselves; every row also
+        sees the whole committed context.
+        """
+        # Row parents: the root (row 0) has none, node i (row i + 1) has row parent + 1.
+        return forest_ancestor_mask(np.concatenate([[-1], self.parents + 1]))
+
+    def children(self, node: int = ROOT) -> np.ndarray:
+        """Indices of ``node``'s children, in draft order."""
+        return np.flatnonzero(self.parents == node)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the first level down to ``node``."""
+        path = []
+        while node != ROOT:
+            path.append(int(node))
+            node = int(self.parents[node])
+        return path[::-1]
+
+    def truncate(self, num_nodes: int) -> DraftTree:
+        """The first ``num_nodes`` nodes (still a tree: order is topological)."""
+        probs = None if self.draft_probs is None else self.draft_probs[:num_nodes]
+        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], probs)
+
+
+def forest_ancestor_mask(parents: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``mask[r, c]``: row ``c`` is row ``r`` or an ancestor of it.
+
+    ``parents`` is indexed by *row*; ``-1`` marks a root, so several roots make
+    a forest (a ``DraftTree``'s verification rows are the case with one root at
+    row 0). Example: row parents ``[-1, 0, 0, 1]`` give rows ``{0}``,
+    ``{0, 1}``, ``{0, 2}``, ``{0, 1, 3}``.
+    """
+    parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+    n = parents.size
+    if n and not np.all((parents >= -1) & (parents < np.arange(n))):
+        raise ValueError("row parents must be -1 or an earlier row (topological order)")
+    mask = np.zeros((n, n), dtype=bool)
+    for row, parent in enumerate(parents):
+        if parent >= 0:
+            mask[row] = mask[parent]
+        mask[row, row] = True
+    return mask

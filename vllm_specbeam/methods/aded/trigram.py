@@ -1,0 +1,525 @@
+"""ADED's tri-gram matrix: ``P(w3 | w1, w2)`` from a corpus, plus adaptive overlays.
+
+The *base* matrix is built once, offline, from a corpus tokenised with the
+target's tokenizer, and shared read-only by every request of every worker.
+It is stored as CSR-style numpy arrays so that a matrix from hundreds of MB of
+text opens in well under a second with memory mapping (pages are read on
+first use, and the OS shares them between processes):
+
+* ``keys.npy``       int64, sorted: ``w1 * vocab_size + w2``
+* ``offsets.npy``    int64, ``len(keys) + 1``: successors of ``keys[i]`` are
+  entries ``offsets[i]:offsets[i + 1]``
+* ``successors.npy`` int32, per key most probable first
+* ``probs.npy``      float32, ``count(w1 w2 w3) / count(w1 w2 *)``: only the
+  top ``top_k`` successors are kept, so a key's probabilities sum to <= 1
+* ``meta.json``      tokenizer identity (name, vocab size, vocabulary hash),
+  ``top_k`` and the build statistics
+
+*Adaptive update* (ADED's "the matrix tracks the model's outputs"): tri-grams
+seen in a request's recent context gain ``step`` (0.04) each time they are
+seen, up to ``cap``. These gains live in an :class:`Overlay` (a small dict)
+per request, or one shared by all requests when the user opts in, and are
+merged with the base at lookup time; the base is never written.
+
+The cap (default :data:`DEFAULT_ADAPT_CAP` = 0.5, reached after 13 sightings)
+keeps a pattern the model repeats from taking over completely: a successor the
+corpus is sure of (``p`` near 1) still outweighs one seen a dozen times in
+this request, while a successor the corpus never saw can still become the
+favourite of a key whose corpus distribution is flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import gzip
+import hashlib
+import io
+import json
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+FORMAT_VERSION = 1
+DEFAULT_TOP_K = 12
+DEFAULT_ADAPT_STEP = 0.04
+DEFAULT_ADAPT_CAP = 0.5
+#: jsonl fields tried in this order; the first one holding a string is used
+DEFAULT_JSONL_FIELDS = ("text", "content", "prompt")
+TEXT_SUFFIXES = (".txt", ".py", ".md", ".jsonl")
+ARRAYS = ("keys", "offsets", "successors", "probs")
+META_FILE = "meta.json"
+#: text files are cut (at line ends) into documents of about this many characters
+DOC_CHARS = 1 << 16
+#: characters tokenised per batch
+BATCH_CHARS = 1 << 20
+#: pending tri-gram codes reduced to (unique, count) once they reach this many
+REDUCE_CODES = 1 << 23
+
+
+class TokenizerMismatchError(ValueError):
+    """The matrix was built with another vocabulary than the target's."""
+
+
+# ---------------------------------------------------------------- tokenizer identity
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    """Name, size and a hash of the vocabulary: the hash is what decides a match.
+
+    Names differ between a hub name and a local copy of the same tokenizer;
+    the ``(token, id)`` pairs do not.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    return {"name": str(tokenizer.name_or_path), "vocab_size": len(tokenizer), "vocab_hash": digest}
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+# ---------------------------------------------------------------- overlays
+def _key(w1: int, w2: int) -> int:
+    """Overlay key: independent of any vocabulary size, so no matrix is needed."""
+    return (int(w1) << 32) | int(w2)
+
+
+@dataclass
+class Overlay:
+    """Adaptive weight gains ``key -> {successor: gain}`` for one request (or all)."""
+
+    gains: dict[int, dict[int, float]] = field(default_factory=dict)
+
+    def observe(self, tokens: Sequence[int] | np.ndarray, step: float, cap: float) -> None:
+        """Every tri-gram inside ``tokens`` gains ``step`` per occurrence, up to ``cap``."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size < 3 or step <= 0:
+            return
+        windows = np.stack([tokens[:-2], tokens[1:-1], tokens[2:]], axis=1)
+        triples, counts = np.unique(windows, axis=0, return_counts=True)
+        for (w1, w2, w3), count in zip(triples.tolist(), counts.tolist(), strict=True):
+            successors = self.gains.setdefault(_key(w1, w2), {})
+            successors[w3] = min(cap, successors.get(w3, 0.0) + step * count)
+
+    def get(self, w1: int, w2: int) -> dict[int, float]:
+        return self.gains.get(_key(w1, w2), {})
+
+    def __len__(self) -> int:
+        return len(self.gains)
+
+
+# ---------------------------------------------------------------- the matrix
+@dataclass(frozen=True)
+class TrigramMatrix:
+    """Read-only top-k tri-gram probabilities (see the module docstring for the layout)."""
+
+    keys: np.ndarray
+    offsets: np.ndarray
+    successors: np.ndarray
+    probs: np.ndarray
+    vocab_size: int
+    top_k: int = DEFAULT_TOP_K
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, top_k: int = DEFAULT_TOP_K) -> TrigramMatrix:
+        """No corpus: every lookup is answered by the overlays alone."""
+        no_keys = np.zeros(0, np.int64)
+        return cls(no_keys, np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), 0, top_k)
+
+    @classmethod
+    def from_counts(
+        cls, codes: np.ndarray, counts: np.ndarray, vocab_size: int, top_k: int = DEFAULT_TOP_K
+    ) -> TrigramMatrix:
+        """From sorted unique tri-gram codes ``(w1 * V + w2) * V + w3`` and their counts."""
+        return cls(*_select_top_k(codes, counts, vocab_size, top_k)[:4], vocab_size, top_k)
+
+    def base(self, w1: int, w2: int) -> tuple[np.ndarray, np.ndarray]:
+        """The corpus successors of ``(w1, w2)``, most probable first (views, no copy)."""
+        if not (0 <= w1 < self.vocab_size and 0 <= w2 < self.vocab_size):
+            return self.successors[:0], self.probs[:0]
+        key = w1 * self.vocab_size + w2
+        i = int(np.searchsorted(self.keys, key))
+        if i == self.keys.size or self.keys[i] != key:
+            return self.successors[:0], self.probs[:0]
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.successors[lo:hi], self.probs[lo:hi]
+
+    def lookup(
+        self, w1: int, w2: int, overlays: Iterable[Overlay] = (), cap: float = DEFAULT_ADAPT_CAP
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Successor ids and probabilities of ``(w1, w2)``: base merged with overlays.
+
+        A successor's weight is its base probability plus its overlay gains
+        (summed over overlays, at most ``cap``); weights are divided by their
+        sum when that exceeds 1, so they stay a (sub-)distribution. At most
+        ``top_k`` successors, most probable first.
+        """
+        ids, probs = self.base(w1, w2)
+        gains: dict[int, float] = {}
+        for overlay in overlays:
+            for token, gain in overlay.get(w1, w2).items():
+                gains[token] = gains.get(token, 0.0) + gain
+        if not gains:
+            return ids.astype(np.int64), probs.astype(np.float64)
+        weights = dict(zip(ids.tolist(), probs.tolist(), strict=True))
+        for token, gain in gains.items():
+            weights[token] = weights.get(token, 0.0) + min(cap, gain)
+        ids = np.fromiter(weights, np.int64, len(weights))
+        probs = np.fromiter(weights.values(), np.float64, len(weights))
+        probs /= max(1.0, float(probs.sum()))
+        order = np.argsort(-probs, kind="stable")[: self.top_k]
+        return ids[order], probs[order]
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.keys.size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(getattr(self, name).nbytes) for name in ARRAYS)
+
+    def save(self, out: str | Path) -> None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ARRAYS:
+            np.save(out / f"{name}.npy", np.ascontiguousarray(getattr(self, name)))
+        meta = {**self.meta, "format": FORMAT_VERSION, "vocab_size": self.vocab_size, "top_k": self.top_k}
+        (out / META_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    meta_file = Path(path) / META_FILE
+    if not meta_file.is_file():
+        raise FileNotFoundError(
+            f"{path} is not a tri-gram matrix directory (no {META_FILE}); build one with "
+            f"`vllm-specbeam trigram build --tokenizer TARGET_TOKENIZER --out {path} FILES...`"
+        )
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: tri-gram matrix format {meta.get('format')}, this version reads {FORMAT_VERSION}; rebuild it"
+        )
+    return meta
+
+
+def load(path: str | Path, tokenizer: Any) -> TrigramMatrix:
+    """Memory-map a saved matrix, refusing one built with another vocabulary.
+
+    ``tokenizer`` is the target's tokenizer (or its name/path); the check
+    compares vocabulary size and hash, and ignores the name.
+    """
+    meta = read_meta(path)
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(str(tokenizer))
+    built, target = meta["tokenizer"], tokenizer_identity(tokenizer)
+    if (built["vocab_size"], built["vocab_hash"]) != (target["vocab_size"], target["vocab_hash"]):
+        raise TokenizerMismatchError(
+            f"tri-gram matrix {path} was built with tokenizer {built['name']!r} (vocab size {built['vocab_size']}, "
+            f"hash {built['vocab_hash'][:12]}), but the target uses tokenizer {target['name']!r} (vocab size "
+            f"{target['vocab_size']}, hash {target['vocab_hash'][:12]}); rebuild the matrix with the target's "
+            f"tokenizer: vllm-specbeam trigram build --tokenizer {target['name']} --out {path} FILES..."
+        )
+    arrays = {name: np.load(Path(path) / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
+    return TrigramMatrix(**arrays, vocab_size=meta["vocab_size"], top_k=meta["top_k"], meta=meta)
+
+
+# ---------------------------------------------------------------- building
+@dataclass
+class SourceStats:
+    """What the corpus reader took from where: shown to the user after a build."""
+
+    files: int = 0
+    documents: int = 0
+    jsonl_fields: dict[str, int] = field(default_factory=dict)
+    jsonl_skipped: int = 0
+
+
+def corpus_files(paths: Iterable[str | Path], exclude: Sequence[str] = ()) -> list[Path]:
+    """The files to read: the given files, and the text files under given
+    directories whose path relative to that directory matches none of the
+    ``exclude`` globs (``fnmatch``, where ``*`` also crosses ``/``: e.g.
+    ``*/tests/*`` or ``site-packages/*`` to keep a source tree's tests or
+    third-party code out of the corpus)."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and _suffix(p) in TEXT_SUFFIXES
+                and not any(fnmatch.fnmatch(p.relative_to(path).as_posix(), g) for g in exclude)
+            )
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"corpus path {path} does not exist")
+    return files
+
+
+def _suffix(path: Path) -> str:
+    """``.jsonl`` for ``x.jsonl.gz`` too: gzip is read transparently."""
+    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
+
+
+def iter_documents(files: Sequence[Path], fields: Sequence[str], stats: SourceStats, progress: tqdm) -> Iterator[str]:
+    """Documents of the corpus; tri-grams never span two documents.
+
+    jsonl: one document per record, the first of ``fields`` that holds a
+    string. Other files: the whole file, cut at line ends every ~64K chars so
+    a single huge file streams instead of being read at once.
+    """
+    for path in files:
+        stats.files += 1
+        with open(path, "rb") as raw:
+            stream = gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw
+            lines = _tracked_lines(stream, raw, progress)
+            is_jsonl = _suffix(path) == ".jsonl"
+            documents = _jsonl_documents(lines, fields, stats, path) if is_jsonl else _text_documents(lines)
+            for document in documents:
+                stats.documents += 1
+                yield document
+
+
+def _tracked_lines(stream: io.IOBase, raw: io.IOBase, progress: tqdm) -> Iterator[str]:
+    """Decoded lines, advancing the progress bar by the (compressed) bytes read."""
+    position = 0
+    for line in stream:
+        now = raw.tell()
+        progress.update(now - position)
+        position = now
+        yield line.decode("utf-8", errors="replace")
+
+
+def _text_documents(lines: Iterable[str]) -> Iterator[str]:
+    return ("".join(chunk) for chunk in _chunks(lines, DOC_CHARS))
+
+
+def _jsonl_documents(lines: Iterable[str], fields: Sequence[str], stats: SourceStats, path: Path) -> Iterator[str]:
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not a JSON record ({error.msg})") from None
+        name = next((f for f in fields if isinstance(record, dict) and isinstance(record.get(f), str)), None)
+        if name is None:
+            stats.jsonl_skipped += 1
+            continue
+        stats.jsonl_fields[name] = stats.jsonl_fields.get(name, 0) + 1
+        yield record[name]
+
+
+def _chunks(texts: Iterable[str], chars: int) -> Iterator[list[str]]:
+    """Consecutive texts grouped until a group holds at least ``chars`` characters."""
+    chunk: list[str] = []
+    size = 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+class TrigramCounter:
+    """Exact tri-gram counts of a token stream, in bounded-growth numpy arrays.
+
+    Codes ``(w1 * V + w2) * V + w3`` are buffered and, once the buffer is as
+    large as the running table (and at least :data:`REDUCE_CODES`), merged into
+    a sorted ``(unique codes, counts)`` table: amortised ``O(n log n)`` with no
+    Python loop per token.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size**3 >= 2**63:
+            raise ValueError(f"vocab size {vocab_size} is too large for int64 tri-gram codes")
+        self.vocab_size = vocab_size
+        self.tokens = 0
+        self.codes = np.zeros(0, np.int64)
+        self.counts = np.zeros(0, np.int64)
+        self._pending: list[np.ndarray] = []
+        self._pending_size = 0
+
+    def add(self, ids: Sequence[int]) -> None:
+        ids = np.asarray(ids, np.int64)
+        self.tokens += ids.size
+        if ids.size < 3:
+            return
+        v = self.vocab_size
+        self._pending.append((ids[:-2] * v + ids[1:-1]) * v + ids[2:])
+        self._pending_size += ids.size - 2
+        if self._pending_size >= max(REDUCE_CODES, self.codes.size):
+            self._reduce()
+
+    def _reduce(self) -> None:
+        if not self._pending:
+            return
+        new, new_counts = np.unique(np.concatenate(self._pending), return_counts=True)
+        codes = np.concatenate([self.codes, new])
+        counts = np.concatenate([self.counts, new_counts])
+        order = np.argsort(codes, kind="stable")
+        codes, counts = codes[order], counts[order]
+        starts = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]])
+        self.codes, self.counts = codes[starts], np.add.reduceat(counts, starts)
+        self._pending, self._pending_size = [], 0
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray]:
+        self._reduce()
+        return self.codes, self.counts
+
+
+def build(
+    paths: Iterable[str | Path],
+    tokenizer: Any,
+    top_k: int = DEFAULT_TOP_K,
+    fields: Sequence[str] = DEFAULT_JSONL_FIELDS,
+    batch_chars: int = BATCH_CHARS,
+    progress: bool = True,
+    exclude: Sequence[str] = (),
+) -> TrigramMatrix:
+    """Count a corpus's tri-grams with ``tokenizer`` and keep the top ``top_k`` per key.
+
+    The returned matrix carries the tokenizer identity and build statistics
+    in ``meta`` (see :func:`format_report`); ``exclude`` as in :func:`corpus_files`.
+    """
+    files = corpus_files(paths, exclude)
+    stats = SourceStats()
+    counter = TrigramCounter(len(tokenizer))
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tri-grams", disable=not progress) as bar:
+        for batch in _chunks(iter_documents(files, fields, stats, bar), batch_chars):
+            encoded = tokenizer(batch, add_special_tokens=False, return_attention_mask=False, verbose=False)
+            for ids in encoded["input_ids"]:
+                counter.add(ids)
+            bar.set_postfix(tokens=counter.tokens, refresh=False)
+    codes, counts = counter.finish()
+    keys, offsets, successors, probs, kept = _select_top_k(codes, counts, counter.vocab_size, top_k)
+    total_trigrams = int(counts.sum())
+    meta = {
+        "tokenizer": tokenizer_identity(tokenizer),
+        "top_k": top_k,
+        "sources": {
+            "files": stats.files,
+            "documents": stats.documents,
+            "bytes": total,
+            "jsonl_fields": stats.jsonl_fields,
+            "jsonl_skipped": stats.jsonl_skipped,
+            "jsonl_field_order": list(fields),
+        },
+        "stats": {
+            "tokens": counter.tokens,
+            "trigrams": total_trigrams,
+            "distinct_trigrams": int(codes.size),
+            "keys": int(keys.size),
+            "entries": int(successors.size),
+            "kept_mass": kept / max(1, total_trigrams),
+            "vocab_seen": np.unique(successors).size / counter.vocab_size,
+            "array_bytes": sum(int(a.nbytes) for a in (keys, offsets, successors, probs)),
+        },
+    }
+    return TrigramMatrix(keys, offsets, successors, probs, counter.vocab_size, top_k, meta)
+
+
+def _select_top_k(
+    codes: np.ndarray, counts: np.ndarray, vocab_size: int, top_k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """CSR arrays of the ``top_k`` most frequent successors per key, and their total count.
+
+    Probabilities are normalised by the key's full count, not the kept one:
+    they are the corpus's ``P(w3 | w1, w2)``.
+    """
+    codes = np.asarray(codes, np.int64)
+    counts = np.asarray(counts, np.int64)
+    pair = codes // vocab_size
+    starts = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]]) if codes.size else np.zeros(0, np.int64)
+    totals = np.add.reduceat(counts, starts) if codes.size else np.zeros(0, np.int64)
+    group = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, codes.size]))
+    order = np.lexsort((codes, -counts, pair))  # per key: most frequent first, then lowest id
+    kept = order[np.arange(codes.size) - starts[group[order]] < top_k]
+    offsets = np.r_[0, np.cumsum(np.bincount(group[kept], minlength=starts.size))].astype(np.int64)
+    successors = (codes[kept] % vocab_size).astype(np.int32)
+    probs = (counts[kept] / totals[group[kept]]).astype(np.float32)
+    return pair[starts], offsets, successors, probs, int(counts[kept].sum())
+
+
+def format_report(meta: dict[str, Any], path: str | Path | None = None) -> str:
+    """Size and coverage of a matrix, for ``build`` and ``info``."""
+    tok, src, st = meta["tokenizer"], meta["sources"], meta["stats"]
+    fields = ", ".join(f"{k}: {v}" for k, v in src["jsonl_fields"].items()) or "none"
+    lines = [
+        *([f"matrix      {path}"] if path else []),
+        f"tokenizer   {tok['name']} (vocab {tok['vocab_size']}, hash {tok['vocab_hash'][:12]})",
+        f"corpus      {src['files']} files, {src['documents']} documents, {src['bytes'] / 1e6:.1f} MB; "
+        f"jsonl records by field ({'/'.join(src['jsonl_field_order'])}, first present): {fields}; "
+        f"skipped {src['jsonl_skipped']}",
+        f"counted     {st['tokens']} tokens, {st['trigrams']} tri-grams, {st['distinct_trigrams']} distinct",
+        f"kept        top {meta['top_k']}: {st['keys']} keys, {st['entries']} entries, "
+        f"{st['array_bytes'] / 1e6:.1f} MB of arrays",
+        f"coverage    {st['kept_mass']:.1%} of corpus tri-grams are kept entries; "
+        f"{st['vocab_seen']:.1%} of the vocabulary occurs as a kept successor",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- command line
+def main(argv: Sequence[str] | None = None) -> int:
+    """``vllm-specbeam trigram build|info``: build a matrix or describe one."""
+    parser = argparse.ArgumentParser(prog="vllm-specbeam trigram", description="ADED tri-gram matrices")
+    commands = parser.add_subparsers(dest="command", required=True)
+    build_cmd = commands.add_parser("build", help="count a corpus's tri-grams with the target's tokenizer")
+    build_cmd.add_argument("--tokenizer", required=True, help="the target model's tokenizer (directory or name)")
+    build_cmd.add_argument("--out", required=True, help="directory to write the matrix to")
+    build_cmd.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="successors kept per (w1, w2) key")
+    build_cmd.add_argument(
+        "--jsonl-fields",
+        default=",".join(DEFAULT_JSONL_FIELDS),
+        help="jsonl: fields tried in order, the first holding a string is the document",
+    )
+    build_cmd.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="skip files under a directory argument whose relative path matches "
+        "(fnmatch; repeatable), e.g. '*/tests/*'",
+    )
+    build_cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    build_cmd.add_argument("files", nargs="+", help=f"files or directories ({', '.join(TEXT_SUFFIXES)}, also .gz)")
+    info_cmd = commands.add_parser("info", help="show a matrix's tokenizer, size and coverage")
+    info_cmd.add_argument("path")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build":
+            if args.top_k < 1:
+                parser.error("--top-k must be at least 1")
+            matrix = build(
+                args.files,
+                load_tokenizer(args.tokenizer),
+                args.top_k,
+                tuple(f for f in args.jsonl_fields.split(",") if f),
+                progress=not args.no_progress,
+                exclude=args.exclude,
+            )
+            matrix.save(args.out)
+            print(format_report(matrix.meta, args.out))
+        else:
+            print(format_report(read_meta(args.path), args.path))
+    except (OSError, ValueError) as error:
+        print(f"vllm-specbeam trigram: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""DSBD drafting: beam sampling with the draft model, drafted as a forest.
+
+All requests of a step are drafted together, one draft-model forward per
+depth (see :mod:`vllm_specbeam.draft_runtime.hf` for why batching pays):
+:meth:`DraftModelRuntime.sync_many` feeds every request's tokens committed
+since the last step and gives each ``q(. | context)``; then for every depth,
+per request, the draft joint over (beam, token) pairs is formed from the
+beams' scores and their ``q`` rows, ``max_width`` pairs are drawn i.i.d. from
+it (with replacement, as beam sampling does), and the new beams of all
+requests still drafting are fed to the draft model as one level of their
+trees (:meth:`DraftModelRuntime.extend_many`) to get their own ``q`` rows.
+``max_width`` pairs are drawn at every depth because the target decides how
+many it keeps (:func:`vllm_specbeam.methods.dsbd.maths.choose_width` needs the target's
+joint); ``max_nodes`` cuts the last depths short. Requests differ in widths,
+depths and temperatures (their own options); one that is out of depths just
+leaves the batch.
+
+Greedy requests (temperature 0 and no ``draft_temperature``) run beam
+*search* instead: the ``max_width`` best pairs of the joint log-score, all
+distinct, without draft rows (the greedy verifier reads tokens only).
+
+Draft randomness comes from one generator per drafter, seeded once: drafts
+must be fresh draws for each round, never a function of the context, or
+repeated runs of one prompt would all see the same drafts and the output law
+would be the target's conditioned on them. Draws are taken depth by depth,
+requests in the order given, so a seed fixes them all.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from vllm_specbeam.core.config import Option, SpecbeamConfigError
+from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
+from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.draft_runtime.hf import DraftModelError, DraftModelRuntime, check_vocabularies, placement
+from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
+
+GREEDY_EPS = 1e-5  # vLLM's sampler treats temperatures below this as greedy
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Per-row next-token probabilities after temperature, top-k and top-p (as vLLM orders them)."""
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p  # keep the smallest prefix reaching top_p
+        probs = probs.masked_fill(drop.scatter(-1, order, drop), 0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def level_widths(depth: int, max_width: int, max_nodes: int) -> list[int]:
+    """Pairs drafted per depth: ``max_width`` each until ``max_nodes`` runs out."""
+    widths: list[int] = []
+    while len(widths) < depth and sum(widths) < max_nodes:
+        widths.append(min(max_width, max_nodes - sum(widths)))
+    return widths
+
+
+def check_draft_tokenizer(draft_model: str, target_tokenizer: str) -> None:
+    """Refuse a missing draft model or one whose vocabulary differs from the target's."""
+    from transformers import AutoTokenizer
+
+    try:
+        draft = AutoTokenizer.from_pretrained(draft_model)
+    except (OSError, ValueError) as error:
+        raise SpecbeamConfigError(
+            f"cannot load the draft model's tokenizer from {draft_model!r} ({error}); "
+            f'pass a local model directory or a hub name as "model" in the speculative config'
+        ) from error
+    target = AutoTokenizer.from_pretrained(target_tokenizer)
+    try:
+        check_vocabularies(draft_model, target_tokenizer, draft.get_vocab(), target.get_vocab())
+    except DraftModelError as error:
+        raise SpecbeamConfigError(str(error)) from error
+
+
+class DsbdDrafter(TreeDrafter):
+    """Beam-sampling forests from a draft model (see the module docstring)."""
+
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "draft_model": Option(
+            "",
+            'directory or hub name of the draft model; filled in from the speculative config\'s "model"',
+            per_request=False,
+        ),
+        "tokenizer": Option(
+            "",
+            "the target's tokenizer (name or path), checked to tokenise like the draft; "
+            "filled in from the target model",
+            per_request=False,
+        ),
+        "min_width": Option(1, "fewest beams a depth keeps", 1, 32),
+        "max_width": Option(4, "pairs drafted per depth: the most beams a depth can keep", 1, 32),
+        "width_threshold": Option(
+            0.7, "tau_w: a depth keeps the most beams n it accepts with probability >= tau_w", 0.0, 1.0
+        ),
+        "top_k": Option(0, "draft top-k per beam (0 = off)", 0, 1 << 20),
+        "top_p": Option(1.0, "draft top-p per beam (1 = off)", 0.0, 1.0),
+        "draft_temperature": Option(0.0, "draft temperature (0 = the request's)", 0.0, 100.0),
+        "draft_dtype": Option(
+            "auto",
+            "draft weights' dtype (auto: the target's; checkpoint: the checkpoint's)",
+            choices=("auto", "checkpoint", "float32", "bfloat16", "float16"),
+            per_request=False,
+        ),
+        "draft_device": Option("auto", "device of the draft model (auto: the target's)", per_request=False),
+        "max_cache_tokens_per_request": Option(
+            0,
+            "longest context the draft caches (longer requests go undrafted; 0 = no cap)",
+            0,
+            1 << 30,
+            per_request=False,
+        ),
+        "max_cache_tokens_total": Option(
+            0,
+            "draft cache rows over all requests (least recently drafted requests "
+            "are dropped and re-encoded later; 0 = no cap)",
+            0,
+            1 << 30,
+            per_request=False,
+        ),
+        "seed": Option(0, "seed of the draft sampling generator", 0, 2**31 - 1, per_request=False),
+    }
+
+    @staticmethod
+    def check_options(options: Mapping[str, Any]) -> None:
+        if options["min_width"] > options["max_width"]:
+            raise SpecbeamConfigError(
+                f"dsbd: min_width={options['min_width']} exceeds max_width={options['max_width']}"
+            )
+
+    @staticmethod
+    def check_startup(options: Mapping[str, Any]) -> None:
+        """The draft model's tokenizer loads and tokenises exactly like the target's."""
+        if options["draft_model"] and options["tokenizer"]:
+            check_draft_tokenizer(options["draft_model"], options["tokenizer"])
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        self.runtime: DraftModelRuntime | None = None
+        self.generator = torch.Generator().manual_seed(self.options.get("seed", 0))
+
+    def load_model(self, target_model: Any) -> None:
+        path = self.options.get("draft_model", "")
+        if not path:
+            raise SpecbeamConfigError('dsbd needs a draft model: add "model" to the speculative config')
+        tokenizer = self.options.get("tokenizer") or None
+        weight = next(target_model.parameters(), None) if hasattr(target_model, "parameters") else None
+        device, dtype = placement(
+            self.options["draft_device"],
+            self.options["draft_dtype"],
+            "cpu" if weight is None else weight.device,
+            torch.float32 if weight is None else weight.dtype,
+        )
+        self.runtime = DraftModelRuntime(
+            path,
+            target_tokenizer=tokenizer,
+            target_vocab_size=_vocab_size(target_model, tokenizer),
+            device=device,
+            dtype=dtype,
+            max_tokens_per_request=self.options.get("max_cache_tokens_per_request", 0),
+            max_total_tokens=self.options.get("max_cache_tokens_total", 0),
+        )
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        if self.runtime is None:
+            raise RuntimeError("DsbdDrafter.load_model must run before propose")
+        widths = [
+            level_widths(r.options["num_speculative_tokens"], r.options["max_width"], r.options["max_nodes"])
+            for r in requests
+        ]
+        synced = self.runtime.sync_many([(r.req_id, r.token_ids, sum(w[:-1])) for r, w in zip(requests, widths)])
+        beams = [
+            None if logits is None or not w else _start(r, w, logits) for r, w, logits in zip(requests, widths, synced)
+        ]
+        draft_beams(self.runtime, [b for b in beams if b is not None], self.generator)
+        return [DraftTree.empty() if b is None else b.forest() for b in beams]
+
+    @property
+    def live_requests(self) -> int:
+        return 0 if self.runtime is None else self.runtime.live_requests
+
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        if self.runtime is not None:
+            self.runtime.remove(req_ids)
+
+
+def _start(request: DraftRequest, widths: list[int], logits: torch.Tensor) -> DraftBeams:
+    """The request's beams: sampled, or searched for greedy requests (see the module docstring)."""
+    temperature = request.options["draft_temperature"] or request.temperature
+    if temperature < GREEDY_EPS:
+        return DraftBeamSearch(request.req_id, widths, logits.unsqueeze(0))
+    return _BeamSample(request.req_id, widths, logits, temperature, request.options)
+
+
+def draft_beams(runtime: DraftModelRuntime, beams: list[DraftBeams], generator: torch.Generator | None) -> None:
+    """Advance every request's beams to their last depth, one batched draft
+    forward per depth for all requests still drafting (draws in request order)."""
+    drafting = list(beams)
+    while drafting:
+        depth = [(b, b.select(generator)) for b in drafting]
+        drafting = [b for b, _ in depth if not b.done]
+        logits = runtime.extend_many([(b.req_id, *nodes) for b, nodes in depth if not b.done])
+        for b, rows in zip(drafting, logits):
+            b.take(rows)
+
+
+class DraftBeams(ABC):
+    """One request's draft beams during a step, advanced one depth at a time.
+
+    :meth:`select` picks a depth's pairs from the beams' scores and next-token
+    rows; :func:`draft_beams` feeds the new nodes to the draft model together
+    with the other requests' and hands their logits to :meth:`take`. The last
+    depth is never fed. Beams start at the request's root, or (the full-width
+    search, :mod:`vllm_specbeam.adapter.beam_search`) at ``live`` nodes already in the
+    request's draft tree with their own ``scores``; ``first_node`` is the
+    draft tree's node count before this search, so :attr:`parents` index the
+    draft model's tree.
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        widths: list[int],
+        live: Sequence[int] = (ROOT,),
+        scores: torch.Tensor | None = None,
+        first_node: int = 0,
+    ) -> None:
+        self.req_id = req_id
+        self.widths = widths
+        self.depth = 0
+        self.live = list(live)
+        self.scores = torch.zeros(1) if scores is None else scores
+        self.first_node = first_node
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        #: every drafted node's joint score (log-probability under the draft, from the start scores)
+        self.node_scores: list[float] = []
+
+    @property
+    def done(self) -> bool:
+        return self.depth == len(self.widths)
+
+    def select(self, generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+        """Choose the next depth's pairs; the new nodes' tokens and parents."""
+        beam, token, self.scores = self._choose(self.widths[self.depth], generator)
+        self.depth = len(self.widths) if not token.numel() else self.depth + 1
+        first = len(self.tokens)
+        self.tokens += token.tolist()
+        self.parents += [self.live[b] for b in beam.tolist()]
+        self.node_scores += self.scores.tolist()
+        self.live = [self.first_node + i for i in range(first, len(self.tokens))]
+        return self.tokens[first:], self.parents[first:]
+
+    @abstractmethod
+    def _choose(self, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``width`` pairs as (beam, token) index tensors, and the new beams' scores."""
+
+    @abstractmethod
+    def take(self, logits: torch.Tensor) -> None:
+        """The draft model's logits at the nodes :meth:`select` just returned."""
+
+    @abstractmethod
+    def forest(self) -> BeamForest:
+        """The draft, once :attr:`done`."""
+
+
+class _BeamSample(DraftBeams):
+    """Each depth's pairs drawn i.i.d. from the draft joint; every beam's ``q`` row recorded."""
+
+    def __init__(
+        self, req_id: str, widths: list[int], logits: torch.Tensor, temperature: float, options: Mapping[str, Any]
+    ) -> None:
+        super().__init__(req_id, widths)
+        self.temperature, self.options = temperature, options
+        self.rows = self._probs(logits.unsqueeze(0))
+        self.draft_rows: list[torch.Tensor] = []
+        self.next_rows: list[torch.Tensor] = []
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return sampling_probs(logits, self.temperature, self.options["top_k"], self.options["top_p"])
+
+    def _choose(self, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        vocab = self.rows.shape[-1]
+        pairs = torch.multinomial(joint(self.scores, self.rows), width, replacement=True, generator=generator)
+        beam, token = pairs // vocab, pairs % vocab
+        self.draft_rows.append(self.rows[beam])
+        return beam, token, self.scores[beam] + self.rows[beam, token].log()
+
+    def take(self, logits: torch.Tensor) -> None:
+        self.rows = self._probs(logits)
+        self.next_rows.append(self.rows)
+
+    def forest(self) -> BeamForest:
+        last = torch.zeros(self.widths[-1], self.rows.shape[-1])  # the last depth is never extended
+        return BeamForest(
+            np.asarray(self.tokens),
+            np.asarray(self.parents),
+            torch.cat(self.draft_rows).numpy(),
+            torch.cat([*self.next_rows, last]).numpy(),
+            min_width=self.options["min_width"],
+            width_threshold=self.options["width_threshold"],
+        )
+
+
+class DraftBeamSearch(DraftBeams):
+    """Each depth's best pairs by joint log-score (distinct, deterministic).
+
+    ``logits``: one row per live beam. ``banned``: a token never drafted (the
+    full-width search bans EOS: a beam that ends is never extended).
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        widths: list[int],
+        logits: torch.Tensor,
+        live: Sequence[int] = (ROOT,),
+        scores: torch.Tensor | None = None,
+        first_node: int = 0,
+        banned: int | None = None,
+    ) -> None:
+        super().__init__(req_id, widths, live, scores, first_node)
+        self.banned = banned
+        self.logp = torch.log_softmax(logits, dim=-1)
+
+    def _choose(self, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        vocab = self.logp.shape[-1]
+        joint_scores = self.scores.unsqueeze(-1) + self.logp
+        if self.banned is not None:
+            joint_scores[:, self.banned] = float("-inf")
+        joint_scores = joint_scores.reshape(-1)
+        best = torch.topk(joint_scores, min(width, int(torch.isfinite(joint_scores).sum()))).indices
+        return best // vocab, best % vocab, joint_scores[best]
+
+    def take(self, logits: torch.Tensor) -> None:
+        self.logp = torch.log_softmax(logits, dim=-1)
+
+    def forest(self) -> BeamForest:
+        return BeamForest(np.asarray(self.tokens), np.asarray(self.parents))
+
+
+def _vocab_size(target_model: Any, tokenizer: str | None) -> int | None:
+    """Width of the target's logits: from the loaded target if it says, else its config on disk."""
+    config = getattr(target_model, "config", None)
+    if getattr(config, "vocab_size", None):
+        return int(config.vocab_size)
+    if tokenizer is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(tokenizer).get_text_config().vocab_size)
+    except (OSError, ValueError):
+        return None

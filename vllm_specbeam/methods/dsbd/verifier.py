@@ -1,0 +1,174 @@
+"""DSBD verification, keeping one sequence per request per round.
+
+The engine serves one sequence per request, so this is the paper's
+memory-saving variant: a round walks the forest depth by depth
+(:func:`vllm_specbeam.methods.dsbd.maths.verify_depth`); while a depth accepts its width,
+the accepted pairs become the target's beams. The round ends at the first
+depth that fails, or after the last depth, and commits **one** output beam:
+the next draw from the target's joint at that depth, i.e. the residual after
+the trailing rejections on failure (the authors' ``extra_sample_cnt = 1``)
+or a fresh draw from ``P`` below the last depth. That beam is a live beam
+``b`` of the depth plus a token ``x`` from the target, so the step commits
+``path(b) + [x]``: the accepted path and exactly one target token, like every
+verifier. Output beams are independent draws from the target's joint, so
+committing one of them is as good as any; the full variant's
+best-length-normalised pick needs ``W`` target beams kept across rounds.
+
+Greedy requests (``greedy=True``, raw logits in) run beam *search*: a depth
+keeps the target's best pairs as far as they were drafted, and the round
+commits the target's best pair at the depth where it stops. With one beam
+this is greedy decoding exactly.
+
+Sampled requests need :class:`BeamForest` drafts (an empty tree of any type
+commits one draw from the target); greedy rounds read tokens and parents
+only, so any tree works there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.core.verifiers.base import TreeVerifier, Verdict
+from vllm_specbeam.core.verifiers.residual import draw_uniforms, sample_rows, working_precision
+from vllm_specbeam.methods.dsbd.maths import (
+    BeamForest,
+    acceptance_rates,
+    choose_width,
+    greedy_depth,
+    joint,
+    residual_chain,
+    verify_depth,
+)
+
+
+class DsbdVerifier(TreeVerifier):
+    """One DSBD round per request (see the module docstring)."""
+
+    def __init__(self, greedy: bool = False) -> None:
+        self.greedy = greedy
+
+    def verify(
+        self,
+        trees: Sequence[DraftTree],
+        target: torch.Tensor,
+        row_starts: np.ndarray,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> Verdict:
+        """``target``: raw logits when greedy, else the requests' sampling
+        probabilities per row. Each sampled request draws ``num_nodes + 1``
+        uniforms: one per drafted pair, then one for the committed beam."""
+        if not trees:
+            return Verdict([], [])
+        if self.greedy:
+            logp = torch.log_softmax(target.float(), dim=-1)
+            results = [_greedy_round(tree, logp, int(start)) for tree, start in zip(trees, row_starts)]
+        else:
+            probs = working_precision(target)
+            uniforms = draw_uniforms([tree.num_nodes + 1 for tree in trees], generators, target.device)
+            results = [_sampled_round(t, probs, int(s), u) for t, s, u in zip(trees, row_starts, uniforms)]
+        paths = [np.asarray(tree.path_to(beam), np.int64) for tree, (beam, _, _) in zip(trees, results)]
+        tokens = [[*tree.tokens[path].tolist(), token] for tree, path, (_, token, _) in zip(trees, paths, results)]
+        return Verdict(paths, tokens, [widths for _, _, widths in results])
+
+
+def _levels(tree: DraftTree) -> list[np.ndarray]:
+    """Node indices of every depth, in draft order."""
+    return [np.flatnonzero(tree.depths == d) for d in range(1, tree.max_depth + 1)]
+
+
+def _usable(tree: DraftTree, level: np.ndarray, live: list[int]) -> tuple[np.ndarray, torch.Tensor]:
+    """The drafted pairs of a depth whose beam is live, and their flat joint indices.
+
+    Pairs drawn from beams the target did not keep are skipped: the others
+    are still i.i.d. draws from the draft joint restricted to the live beams.
+    """
+    slot = {beam: i for i, beam in enumerate(live)}
+    nodes = np.asarray([n for n in level if int(tree.parents[n]) in slot], np.int64)
+    return nodes, torch.as_tensor([slot[int(tree.parents[n])] for n in nodes], dtype=torch.int64)
+
+
+def _target_rows(target: torch.Tensor, start: int, beams: list[int]) -> torch.Tensor:
+    return target[torch.as_tensor([start + 1 + b for b in beams], device=target.device)]
+
+
+def _draft_rows(tree: DraftTree, beams: list[int], like: torch.Tensor) -> torch.Tensor:
+    """``q(. | beam)`` per live beam: the root's from any first-level node, others from ``next_probs``."""
+    if beams == [ROOT]:
+        row = tree.draft_probs[int(tree.children(ROOT)[0])]
+        return torch.as_tensor(row, device=like.device).to(like.dtype).unsqueeze(0)
+    rows = np.stack([tree.next_probs[b] for b in beams])
+    return torch.as_tensor(rows, device=like.device).to(like.dtype)
+
+
+def _sampled_round(
+    tree: DraftTree, target: torch.Tensor, start: int, uniforms: torch.Tensor
+) -> tuple[int, int, list[int]]:
+    """``(beam, token, widths)`` for one request: the committed beam's node
+    (``ROOT`` for the root), the target's token, the beams each accepted depth kept."""
+    if tree.num_nodes and not (isinstance(tree, BeamForest) and tree.next_probs is not None):
+        raise TypeError(f"DSBD sampling verification needs a BeamForest with draft rows, got {type(tree).__name__}")
+    vocab = target.shape[-1]
+    live, target_score, draft_score, widths = [ROOT], [0.0], [0.0], []
+    for level in _levels(tree):
+        p = joint(torch.tensor(target_score), _target_rows(target, start, live))
+        nodes, slots = _usable(tree, level, live)
+        if nodes.size == 0:
+            return *_draw(p, live, vocab, uniforms[-1]), widths
+        q = joint(torch.tensor(draft_score), _draft_rows(tree, live, target))
+        pairs = slots * vocab + torch.as_tensor(tree.tokens[nodes])
+        chain = residual_chain(p, q, nodes.size)
+        width = choose_width(acceptance_rates(chain, q), tree.min_width, nodes.size, tree.width_threshold)
+        outcome = verify_depth(chain, q, pairs, uniforms[torch.as_tensor(nodes)], width)
+        if not outcome.succeeded:
+            return *_draw(outcome.residual, live, vocab, uniforms[-1]), widths
+        kept = nodes[outcome.accepted]
+        parent_slot = slots[outcome.accepted].tolist()
+        target_score = [
+            target_score[s] + float(target[start + 1 + live[s], tree.tokens[n]].log())
+            for s, n in zip(parent_slot, kept)
+        ]
+        draft_score = [
+            draft_score[s] + float(np.log(tree.draft_probs[n, tree.tokens[n]])) for s, n in zip(parent_slot, kept)
+        ]
+        live = kept.tolist()
+        widths.append(len(live))
+    below_last = joint(torch.tensor(target_score), _target_rows(target, start, live))
+    return *_draw(below_last, live, vocab, uniforms[-1]), widths
+
+
+def _draw(joint_probs: torch.Tensor, live: list[int], vocab: int, uniform: torch.Tensor) -> tuple[int, int]:
+    """One pair from a joint over ``live`` beams x vocabulary."""
+    pair = int(sample_rows(joint_probs.unsqueeze(0), uniform.reshape(1))[0])
+    return live[pair // vocab], pair % vocab
+
+
+def _greedy_round(tree: DraftTree, logp: torch.Tensor, start: int) -> tuple[int, int, list[int]]:
+    """Beam search with the width the drafts cover; the best pair where it stops
+    (returned as :func:`_sampled_round` does)."""
+    vocab = logp.shape[-1]
+    live, score, widths = [ROOT], torch.zeros(1), []
+    for level in _levels(tree):
+        scores = (score.unsqueeze(-1) + _target_rows(logp, start, live)).reshape(-1)
+        nodes, slots = _usable(tree, level, live)
+        accepted = greedy_depth(scores, slots * vocab + torch.as_tensor(tree.tokens[nodes])) if nodes.size else []
+        if not accepted:
+            best = int(scores.argmax())
+            return live[best // vocab], best % vocab, widths
+        kept = nodes[accepted]
+        score = scores[slots[accepted] * vocab + torch.as_tensor(tree.tokens[kept])]
+        live = kept.tolist()
+        widths.append(len(live))
+    best = int((score.unsqueeze(-1) + _target_rows(logp, start, live)).reshape(-1).argmax())
+    return live[best // vocab], best % vocab, widths
+
+
+class DsbdGreedyVerifier(DsbdVerifier):
+    """DSBD at temperature 0: beam search over the drafted pairs (a beam
+    decoder, so not token-equal to greedy decoding unless ``max_width=1``)."""
+
+    def __init__(self) -> None:
+        super().__init__(greedy=True)
