@@ -1,11 +1,11 @@
 # The two commands a newcomer needs (see README.md):
-#   make test    set up .venv (CPU build of vLLM) and run the test suite
+#   make test    set up .venv (CPU build of vLLM), lint, and run the test suite
 #   make bench   set up .venv and run the main job: the methods compared on a real small model
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: test bench
+.PHONY: test lint bench
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,14 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-test: $(VENV)/.installed
+# Lint and format check (ruff) and types of the vLLM-free code (mypy): part of
+# the test command, so CI runs them.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest tests --ignore=tests/kernels -q
 	# Triton kernels run under the interpreter, in their own process so the
 	# setting never reaches the vLLM engines of the other tests.
