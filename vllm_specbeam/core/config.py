@@ -16,7 +16,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_specbeam.core.drafter import TreeDrafter
 
 
 class SpecbeamConfigError(ValueError):
@@ -75,7 +78,9 @@ class Method:
     sampling_verifier: str = "vllm_specbeam.core.verifiers.rejection:RejectionTreeVerifier"
     chain_verifier: str | None = "vllm_specbeam.core.verifiers.block:BlockVerifier"
 
-    def drafter_class(self) -> type:
+    def drafter_class(self) -> type[TreeDrafter]:
+        if self.drafter is None:
+            raise SpecbeamConfigError(f"speculative method ({self.issue}) is not available yet: it has no drafter")
         return _load(self.drafter)
 
     def verifiers(self) -> tuple[Any, Any, Any]:
@@ -175,7 +180,9 @@ class SpecbeamConfig:
 
 
 def is_plugin_method(speculative_config: Mapping[str, Any] | None) -> bool:
-    return bool(speculative_config) and speculative_config.get("method") in METHODS
+    if not speculative_config:
+        return False
+    return speculative_config.get("method") in METHODS
 
 
 def parse(speculative_config: Mapping[str, Any], target_tokenizer: str | None = None) -> SpecbeamConfig:

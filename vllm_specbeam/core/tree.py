@@ -86,7 +86,12 @@ class DraftTree:
         return cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
 
     @classmethod
-    def from_weighted_paths(cls, paths: Sequence[Sequence[int]], weights: Sequence[float], max_nodes: int) -> DraftTree:
+    def from_weighted_paths(
+        cls,
+        paths: Sequence[Sequence[int] | np.ndarray],
+        weights: Sequence[float] | np.ndarray,
+        max_nodes: int,
+    ) -> DraftTree:
         """Merge paths into a trie and keep the ``max_nodes`` heaviest nodes.
 
         A node weighs the sum of the weights of the paths through it, so it is
@@ -116,13 +121,13 @@ class DraftTree:
                 heapq.heappush(frontier, (rank[c], c))
         tokens: list[int] = []
         parents: list[int] = []
-        stack = [(c, ROOT) for c in sorted(children.get((), []), key=rank.get, reverse=True) if c in kept]
+        stack = [(c, ROOT) for c in sorted(children.get((), []), key=lambda c: rank[c], reverse=True) if c in kept]
         while stack:
             prefix, parent = stack.pop()
             tokens.append(prefix[-1])
             parents.append(parent)
             below = [c for c in children.get(prefix, []) if c in kept]
-            stack.extend((c, len(tokens) - 1) for c in sorted(below, key=rank.get, reverse=True))
+            stack.extend((c, len(tokens) - 1) for c in sorted(below, key=lambda c: rank[c], reverse=True))
         return cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
 
     # ------------------------------------------------------------ queries
@@ -167,7 +172,7 @@ class DraftTree:
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the first level down to ``node``."""
-        path = []
+        path: list[int] = []
         while node != ROOT:
             path.append(int(node))
             node = int(self.parents[node])

@@ -74,6 +74,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 ROOT = -1
@@ -207,7 +208,9 @@ class DraftModelRuntime:
             AutoModelForCausalLM.from_pretrained(
                 model, dtype="auto" if dtype == "checkpoint" else dtype, attn_implementation="sdpa"
             )
-            .to(self.device)
+            # transformers declares PreTrainedModel.to with @functools.wraps, typed by
+            # typeshed as a _Wrapped object without __get__: mypy then misses the bound self
+            .to(self.device)  # type: ignore[arg-type]
             .eval()
         )
         config = self.model.config.get_text_config()
@@ -244,7 +247,7 @@ class DraftModelRuntime:
         return 0 if seq is None else seq.length
 
     # ------------------------------------------------------------ drafting
-    def sync(self, req_id: str, token_ids: Sequence[int], reserve: int = 0) -> torch.Tensor | None:
+    def sync(self, req_id: str, token_ids: Sequence[int] | np.ndarray, reserve: int = 0) -> torch.Tensor | None:
         """Logits (float32, ``[vocab_size]``) after the request's last committed token.
 
         Feeds only the tokens the cache lacks. ``reserve`` tree nodes are about
@@ -254,7 +257,7 @@ class DraftModelRuntime:
         """
         return self.sync_many([(req_id, token_ids, reserve)])[0]
 
-    def sync_many(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor | None]:
+    def sync_many(self, requests: Sequence[tuple[str, Sequence[int] | np.ndarray, int]]) -> list[torch.Tensor | None]:
         """:meth:`sync` for ``(req_id, committed tokens, reserve)`` triples, in one
         forward (more only for feeds the grouping sets apart)."""
         step = _distinct(req_id for req_id, _, _ in requests)

@@ -80,6 +80,7 @@ class _Node:
         self.children = [None] * self.tokens.size
 
     def child(self, i: int) -> _Node:
+        assert self.tokens is not None  # only an expanded node has children
         node = self.children[i]
         if node is None:
             node = self.children[i] = _Node((self.state[1], int(self.tokens[i])), self.depth + 1)
@@ -109,6 +110,7 @@ def search(successors: Successors, w1: int, w2: int, params: SearchParams, rng: 
     cached = _CachedSuccessors(successors)
     root = _Node((w1, w2), 0)
     root.expand(cached)
+    assert root.tokens is not None  # just expanded
     if root.tokens.size == 0 or params.depth < 1:
         return DraftTree.empty()
     uniforms = rng.random((params.iterations, params.depth))
@@ -120,21 +122,23 @@ def search(successors: Successors, w1: int, w2: int, params: SearchParams, rng: 
 
 def _iterate(root: _Node, successors: _CachedSuccessors, params: SearchParams, uniforms: np.ndarray) -> None:
     """Select, expand, roll out and back up once."""
-    node, edges, reward = root, [], 1.0
+    node, reward = root, 1.0
+    edges: list[tuple[_Node, int, _Node]] = []  # (parent, child index, child) along the walk
     while node.tokens is not None and node.tokens.size and node.depth < params.depth:
         scores = selection_scores(node.child_values, node.child_visits, node.priors, node.visits, params.c1, params.c2)
         i = int(np.argmax(scores))
         reward += float(node.priors[i])
-        edges.append((node, i))
-        node = node.child(i)
+        child = node.child(i)
+        edges.append((node, i, child))
+        node = child
     if node.tokens is None and node.depth < params.depth:
         node.expand(successors)
     reward += _rollout(node.state, params.depth - node.depth, successors, uniforms)
     root.visits += 1
-    for parent, i in edges:
+    for parent, i, child in edges:
         parent.child_visits[i] += 1
         parent.child_values[i] += reward
-        parent.children[i].visits += 1
+        child.visits += 1
 
 
 def _rollout(state: tuple[int, int], steps: int, successors: _CachedSuccessors, uniforms: np.ndarray) -> float:
@@ -161,11 +165,12 @@ def _ranked_paths(root: _Node) -> list[tuple[list[int], tuple[int, int]]]:
     stack: list[tuple[_Node, list[int], float]] = [(root, [], 1.0)]
     while stack:
         node, tokens, prob = stack.pop()
-        visited = [i for i, child in enumerate(node.children) if child is not None and child.visits]
+        visited = [(i, child) for i, child in enumerate(node.children) if child is not None and child.visits]
         if not visited and tokens:
             leaves.append((node.visits, prob, tokens, node.state))
-        for i in reversed(visited):
-            stack.append((node.children[i], [*tokens, int(node.tokens[i])], prob * float(node.priors[i])))
+        for i, child in reversed(visited):
+            # a child's state ends with its own token (see _Node.child)
+            stack.append((child, [*tokens, child.state[1]], prob * float(node.priors[i])))
     leaves.sort(key=lambda leaf: (-leaf[0], -leaf[1]))
     return [(tokens, state) for _, _, tokens, state in leaves]
 

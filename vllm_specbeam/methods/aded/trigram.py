@@ -351,14 +351,14 @@ class TrigramCounter:
         self._pending: list[np.ndarray] = []
         self._pending_size = 0
 
-    def add(self, ids: Sequence[int]) -> None:
-        ids = np.asarray(ids, np.int64)
-        self.tokens += ids.size
-        if ids.size < 3:
+    def add(self, ids: Sequence[int] | np.ndarray) -> None:
+        seq = np.asarray(ids, np.int64)
+        self.tokens += seq.size
+        if seq.size < 3:
             return
         v = self.vocab_size
-        self._pending.append((ids[:-2] * v + ids[1:-1]) * v + ids[2:])
-        self._pending_size += ids.size - 2
+        self._pending.append((seq[:-2] * v + seq[1:-1]) * v + seq[2:])
+        self._pending_size += seq.size - 2
         if self._pending_size >= max(REDUCE_CODES, self.codes.size):
             self._reduce()
 

@@ -353,9 +353,9 @@ class DraftBeamSearch(DraftBeams):
 
 def _vocab_size(target_model: Any, tokenizer: str | None) -> int | None:
     """Width of the target's logits: from the loaded target if it says, else its config on disk."""
-    config = getattr(target_model, "config", None)
-    if getattr(config, "vocab_size", None):
-        return int(config.vocab_size)
+    vocab_size = getattr(getattr(target_model, "config", None), "vocab_size", None)
+    if vocab_size:
+        return int(vocab_size)
     if tokenizer is None:
         return None
     from transformers import AutoConfig

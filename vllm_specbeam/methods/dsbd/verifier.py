@@ -69,10 +69,20 @@ class DsbdVerifier(TreeVerifier):
         else:
             probs = working_precision(target)
             uniforms = draw_uniforms([tree.num_nodes + 1 for tree in trees], generators, target.device)
-            results = [_sampled_round(t, probs, int(s), u) for t, s, u in zip(trees, row_starts, uniforms)]
+            results = [_sampled_round(_forest(t), probs, int(s), u) for t, s, u in zip(trees, row_starts, uniforms)]
         paths = [np.asarray(tree.path_to(beam), np.int64) for tree, (beam, _, _) in zip(trees, results)]
         tokens = [[*tree.tokens[path].tolist(), token] for tree, path, (_, token, _) in zip(trees, paths, results)]
         return Verdict(paths, tokens, [widths for _, _, widths in results])
+
+
+def _forest(tree: DraftTree) -> BeamForest:
+    """The draft as the forest a sampled round walks: a :class:`BeamForest` with
+    draft rows, or an empty tree of any type (an empty forest: one draw from the target)."""
+    if isinstance(tree, BeamForest) and tree.draft_probs is not None and tree.next_probs is not None:
+        return tree
+    if not tree.num_nodes:
+        return BeamForest(tree.tokens, tree.parents)
+    raise TypeError(f"DSBD sampling verification needs a BeamForest with draft rows, got {type(tree).__name__}")
 
 
 def _levels(tree: DraftTree) -> list[np.ndarray]:
@@ -95,8 +105,10 @@ def _target_rows(target: torch.Tensor, start: int, beams: list[int]) -> torch.Te
     return target[torch.as_tensor([start + 1 + b for b in beams], device=target.device)]
 
 
-def _draft_rows(tree: DraftTree, beams: list[int], like: torch.Tensor) -> torch.Tensor:
+def _draft_rows(tree: BeamForest, beams: list[int], like: torch.Tensor) -> torch.Tensor:
     """``q(. | beam)`` per live beam: the root's from any first-level node, others from ``next_probs``."""
+    # only empty forests lack draft rows (see _forest), and they have no beams to read
+    assert tree.draft_probs is not None and tree.next_probs is not None
     if beams == [ROOT]:
         row = tree.draft_probs[int(tree.children(ROOT)[0])]
         return torch.as_tensor(row, device=like.device).to(like.dtype).unsqueeze(0)
@@ -105,19 +117,19 @@ def _draft_rows(tree: DraftTree, beams: list[int], like: torch.Tensor) -> torch.
 
 
 def _sampled_round(
-    tree: DraftTree, target: torch.Tensor, start: int, uniforms: torch.Tensor
+    tree: BeamForest, target: torch.Tensor, start: int, uniforms: torch.Tensor
 ) -> tuple[int, int, list[int]]:
     """``(beam, token, widths)`` for one request: the committed beam's node
     (``ROOT`` for the root), the target's token, the beams each accepted depth kept."""
-    if tree.num_nodes and not (isinstance(tree, BeamForest) and tree.next_probs is not None):
-        raise TypeError(f"DSBD sampling verification needs a BeamForest with draft rows, got {type(tree).__name__}")
     vocab = target.shape[-1]
-    live, target_score, draft_score, widths = [ROOT], [0.0], [0.0], []
+    live, target_score, draft_score = [ROOT], [0.0], [0.0]
+    widths: list[int] = []
     for level in _levels(tree):
         p = joint(torch.tensor(target_score), _target_rows(target, start, live))
         nodes, slots = _usable(tree, level, live)
         if nodes.size == 0:
             return *_draw(p, live, vocab, uniforms[-1]), widths
+        assert tree.draft_probs is not None  # a forest with nodes has draft rows (see _forest)
         q = joint(torch.tensor(draft_score), _draft_rows(tree, live, target))
         pairs = slots * vocab + torch.as_tensor(tree.tokens[nodes])
         chain = residual_chain(p, q, nodes.size)
@@ -150,7 +162,8 @@ def _greedy_round(tree: DraftTree, logp: torch.Tensor, start: int) -> tuple[int,
     """Beam search with the width the drafts cover; the best pair where it stops
     (returned as :func:`_sampled_round` does)."""
     vocab = logp.shape[-1]
-    live, score, widths = [ROOT], torch.zeros(1), []
+    live, score = [ROOT], torch.zeros(1)
+    widths: list[int] = []
     for level in _levels(tree):
         scores = (score.unsqueeze(-1) + _target_rows(logp, start, live)).reshape(-1)
         nodes, slots = _usable(tree, level, live)

@@ -9,7 +9,8 @@ accept whichever is right, for the same single verification pass.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class LookupTreeDrafter(TreeDrafter):
     }
 
     @staticmethod
-    def check_options(options: dict) -> None:
+    def check_options(options: Mapping[str, Any]) -> None:
         if options["prompt_lookup_min"] > options["prompt_lookup_max"]:
             raise SpecbeamConfigError(
                 f"prompt_lookup_min={options['prompt_lookup_min']} must not exceed "
