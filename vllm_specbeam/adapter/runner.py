@@ -8,9 +8,9 @@ v1/worker/gpu_model_runner.py, synchronous scheduling):
    sets each node's *position* to ``context + depth`` (slots stay linear).
 2. ``_model_forward`` runs the target once; the attention layers see the
    step's trees and give tree rows the ancestor-only mask: on CPU a
-   :class:`~vllm_specbeam.adapter.attention.cpu.TreeStep` for the wrapped CPU backend, on
-   CUDA a :class:`~vllm_specbeam.adapter.attention.cuda.GpuTreeStep` for the plugin's
-   attention backend (selected at start-up, see ``gpu_attention``).
+   :class:`~vllm_specbeam.adapter.attention.cpu.TreeStep` for the wrapped CPU
+   backend, on CUDA a :class:`~vllm_specbeam.adapter.attention.cuda.GpuTreeStep`
+   for the plugin's attention backend (selected at start-up).
 3. ``_sample`` runs the strategy's verifier instead of vLLM's chain rejection
    sampler, returns the accepted path in the shape vLLM expects, and moves the
    accepted nodes' K/V into the slots of consecutive positions (torch on CPU,
@@ -19,7 +19,9 @@ v1/worker/gpu_model_runner.py, synchronous scheduling):
    flattened tokens go to the scheduler as ordinary draft tokens (the
    scheduler allocates a slot per node and rolls back what was not accepted).
 
-With no plugin method configured every override falls through to vLLM.
+The runner is built only by the plugin's workers (:mod:`.worker`), i.e. only
+when a plugin method is configured. Each vLLM method it overrides is marked
+``@override``; registration checks they still exist (:mod:`.patches`).
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from typing_extensions import override
 
 from vllm_specbeam.adapter import tree_prompt
 from vllm_specbeam.adapter.attention import cpu as attention
-from vllm_specbeam.adapter.attention import cuda as gpu_attention
 from vllm_specbeam.adapter.attention.step import tree_step
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.config import METHODS
@@ -49,8 +51,8 @@ class DrafterHost:
     """What vLLM's ``custom_class`` carrier instantiates as the runner's drafter.
 
     vLLM builds it (``create_custom_proposer``) and calls ``load_model``; the
-    tree runner calls :meth:`propose_trees`. vLLM's chain ``propose`` must never
-    be reached: the tree runner overrides the call site.
+    tree runner asks its :attr:`drafter` for trees. vLLM's chain ``propose``
+    must never be reached: the tree runner overrides the call site.
     """
 
     def __init__(self, vllm_config: Any) -> None:
@@ -62,7 +64,10 @@ class DrafterHost:
         self.drafter.load_model(target_model)
 
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
-        raise RuntimeError("vllm-specbeam: the chain proposer path was reached; the tree runner is not installed")
+        raise RuntimeError(
+            "vllm-specbeam: the chain proposer path was reached; the engine is not running the plugin's "
+            "worker (vllm_specbeam.adapter.worker), which the speculative-config patch selects"
+        )
 
 
 def request_supports_trees(params: Any) -> bool:
@@ -114,26 +119,22 @@ class TreeRunnerMixin:
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
-        self.__init_tree__()
-
-    def __init_tree__(self) -> None:
-        self.tree_config = plugin_config(self.vllm_config)
-        if self.tree_config is None:
-            return
+        config = plugin_config(self.vllm_config)
+        if config is None:
+            raise RuntimeError(
+                "vllm-specbeam: the tree runner was built for an engine without a vllm-specbeam method; "
+                "only the plugin's workers build it, chosen by the speculative-config patch"
+            )
+        self.tree_config = config
         if self.device.type == "cpu":
             attention.install_cpu_tree_attention()
-        elif self.device.type != "cuda":
-            raise NotImplementedError(
-                f"vllm-specbeam tree verification runs on vLLM's CPU backend and on CUDA GPUs, "
-                f"not on {self.device.type!r} devices"
-            )
-        self.greedy_verifier, self.sampling_verifier, self.chain_verifier = METHODS[self.tree_config.method].verifiers()
+        self.greedy_verifier, self.sampling_verifier, self.chain_verifier = METHODS[config.method].verifiers()
         self.move_accepted_kv = True  # switched off only by a test that proves the move matters
         self._proposed: dict[str, DraftTree] = {}
         self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
         #: trees at the end of tree-prompt requests' prompts (:mod:`vllm_specbeam.adapter.tree_prompt`)
         self._prompt_trees: dict[str, DraftTree] = {}
-        self._tree_step: attention.TreeStep | gpu_attention.GpuTreeStep | None = None
+        self._tree_step: attention.TreeStep | Any | None = None
         self._step_drafts: tuple[list[str], list[list[int]]] | None = None
         #: running totals read by tests and benchmarks (``LLM.collective_rpc``)
         self.tree_stats = {
@@ -155,15 +156,16 @@ class TreeRunnerMixin:
         return self.drafter.drafter
 
     # -------------------------------------------------------------- lifecycle
+    @override
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        if self.tree_config is None:
-            return
         impls = [layer.impl for layer in self._attention_layers().values()]
         if self.device.type == "cpu":
             attention.check_cpu_attention_supported(impls)
         else:
-            gpu_attention.check_tree_backend(impls)
+            from vllm_specbeam.adapter.attention.cuda import check_tree_backend
+
+            check_tree_backend(impls)
 
     def _attention_layers(self) -> dict[str, Any]:
         from vllm.config import get_layers_from_vllm_config
@@ -187,39 +189,39 @@ class TreeRunnerMixin:
         """The ``kv_move`` kernel's table of cache base addresses (caches never move)."""
         return kv_move.layer_pointer_table([kv_cache for _, kv_cache in self._kv_layers])
 
+    @override
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
-        if self.tree_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+        if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 "vllm-specbeam tree verification needs a model with one KV cache group "
                 "(plain full attention); this model has hybrid or several attention groups"
             )
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
 
+    @override
     def _update_states(self, scheduler_output: Any) -> Any:
-        if self.tree_config is not None:
-            finished = set(scheduler_output.finished_req_ids)
-            for req_id in finished:
-                self._proposed.pop(req_id, None)
-                self._prompt_trees.pop(req_id, None)
-            for new in scheduler_output.scheduled_new_reqs:
-                tree = tree_prompt.prompt_tree(new.sampling_params, new.prompt_token_ids or [])
-                if tree is not None:
-                    self._prompt_trees[new.req_id] = tree
-            # A preempted request's drafter state is rebuilt when it resumes;
-            # its last tree is kept: the scheduler may verify those drafts
-            # right after the resumed request's recomputed tokens.
-            preempted = set(scheduler_output.preempted_req_ids or ())
-            self.tree_stats["preempted"] += len(preempted)
-            gone = finished | preempted
-            if gone:
-                self.tree_drafter.remove_requests(gone)
+        finished = set(scheduler_output.finished_req_ids)
+        for req_id in finished:
+            self._proposed.pop(req_id, None)
+            self._prompt_trees.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            tree = tree_prompt.prompt_tree(new.sampling_params, new.prompt_token_ids or [])
+            if tree is not None:
+                self._prompt_trees[new.req_id] = tree
+        # A preempted request's drafter state is rebuilt when it resumes;
+        # its last tree is kept: the scheduler may verify those drafts
+        # right after the resumed request's recomputed tokens.
+        preempted = set(scheduler_output.preempted_req_ids or ())
+        self.tree_stats["preempted"] += len(preempted)
+        gone = finished | preempted
+        if gone:
+            self.tree_drafter.remove_requests(gone)
         return super()._update_states(scheduler_output)
 
     # -------------------------------------------------------------- inputs
+    @override
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        if self.tree_config is None:
-            return result
         self._verifying = []
         context_lens = []
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
@@ -277,7 +279,7 @@ class TreeRunnerMixin:
 
     def _build_tree_step(
         self, entries: list[tuple[int, int, int, DraftTree]], num_tokens: int
-    ) -> attention.TreeStep | gpu_attention.GpuTreeStep:
+    ) -> attention.TreeStep | Any:
         """The attention layers' view of this step's trees, built once per step.
 
         ``entries``: (batch index, root row, root position, tree) of the
@@ -289,20 +291,22 @@ class TreeRunnerMixin:
         trees = [tree for *_, tree in entries]
         if self.device.type == "cpu":
             return attention.TreeStep.build(indices, root_rows, context_lens, trees)
+        from vllm_specbeam.adapter.attention.cuda import GpuTreeStep
+
         # vLLM 0.32.0 gpu_model_runner.py _prepare_inputs: query_start_loc.np
         # holds each request's first token row.
         request_starts = self.query_start_loc.np[indices].tolist()
-        return gpu_attention.GpuTreeStep.build(request_starts, root_rows, context_lens, trees, num_tokens, self.device)
+        return GpuTreeStep.build(request_starts, root_rows, context_lens, trees, num_tokens, self.device)
 
+    @override
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.tree_config is None:
-            return super()._model_forward(*args, **kwargs)
         with tree_step(self._tree_step):
             return super()._model_forward(*args, **kwargs)
 
     # -------------------------------------------------------------- verify
+    @override
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
-        if self.tree_config is None or spec_decode_metadata is None or not self._verifying:
+        if spec_decode_metadata is None or not self._verifying:
             return super()._sample(logits, spec_decode_metadata)
         from dataclasses import replace
 
@@ -425,6 +429,7 @@ class TreeRunnerMixin:
         stats["accepted_off_first_branch"] += sum(first_children[int(tree.parents[n])] != int(n) for n in path)
 
     # -------------------------------------------------------------- draft
+    @override
     def take_draft_token_ids(self) -> Any:
         """Hand the scheduler this step's trees, and nothing else.
 
@@ -434,16 +439,13 @@ class TreeRunnerMixin:
         then schedule drafts no tree describes. Here a step without proposals
         gives no drafts.
         """
-        if self.tree_config is None:
-            return super().take_draft_token_ids()
         from vllm.v1.outputs import DraftTokenIds
 
         drafts, self._step_drafts = self._step_drafts, None
         return None if drafts is None else DraftTokenIds(*drafts)
 
+    @override
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.tree_config is None:
-            return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
         batch = self.input_batch
         requests, positions = [], []
         for index, req_id in enumerate(batch.req_ids):

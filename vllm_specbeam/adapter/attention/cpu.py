@@ -18,13 +18,14 @@ whatever ISA vLLM picked.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm_specbeam.adapter import patches
 from vllm_specbeam.adapter.attention.step import active_step, masked_rows, node_layout
 from vllm_specbeam.core.tree import DraftTree
 
@@ -208,17 +209,15 @@ def recompute_tree_rows(
 
 
 def install_cpu_tree_attention() -> None:
-    """Wrap vLLM 0.32.0's ``CPUAttentionBackendImpl.forward``.
+    """Wrap vLLM 0.32.0's ``CPUAttentionBackendImpl.forward`` (once per process).
 
     The wrapper runs the stock kernel, then fixes the tree rows when a tree
     step is active; without one it is the stock call plus one global lookup.
     """
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    patches.wrap(patches.CPU_ATTENTION_FORWARD, _tree_forward)
 
-    stock = CPUAttentionBackendImpl.forward
-    if getattr(stock, "_specbeam", False):
-        return
 
+def _tree_forward(stock: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     @functools.wraps(stock)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         result = stock(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
@@ -227,8 +226,7 @@ def install_cpu_tree_attention() -> None:
             recompute_tree_rows(self, layer, query, kv_cache, attn_metadata.block_table, output, step)
         return result
 
-    forward._specbeam = True
-    CPUAttentionBackendImpl.forward = forward
+    return forward
 
 
 def check_cpu_attention_supported(attention_impls: Sequence[torch.nn.Module]) -> None:

@@ -19,19 +19,21 @@ The step's ancestor words are built on the host once per step
 (:meth:`GpuTreeStep.build`) and copied to the device once; every layer reads
 the same tensor. They are built on the host, so attention must run outside
 CUDA graphs: eager or ``PIECEWISE`` cudagraph mode (vLLM splits the captured
-graphs at attention), never full CUDA graphs (:func:`configure_engine_args`
-picks or checks the mode, the metadata builder declares no full-graph support).
+graphs at attention), never full CUDA graphs (the engine configuration,
+:func:`vllm_specbeam.adapter.engine_config.configure_engine`, selects this
+backend and picks or checks the mode; the metadata builder declares no
+full-graph support).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from typing_extensions import override
 
 # vLLM 0.32.0 v1/attention/backends/triton_attn.py: the backend, its metadata
 # builder and impl are subclassed; their metadata is used as is.
@@ -131,11 +133,13 @@ def _to_device(words: np.ndarray, device: torch.device) -> torch.Tensor:
 class TreeTritonAttentionImpl(TritonAttentionImpl):
     """vLLM's Triton attention, or the tree kernel for a whole tree step."""
 
+    @override
     def fused_output_quant_supported(self, quant_key: Any) -> bool:
         # vLLM 0.32.0 triton_attn.py: the stock impl may fuse fp8 output
         # quantisation into attention; the tree kernel writes the model dtype.
         return False
 
+    @override
     def forward(
         self,
         layer: torch.nn.Module,
@@ -186,7 +190,7 @@ class TreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
     """vLLM's Triton metadata, declared unusable in full CUDA graphs.
 
     vLLM 0.32.0 gpu_model_runner.py ``_check_and_update_cudagraph_mode``
-    reads this: a full-graph mode that gets past :func:`configure_engine_args`
+    reads this: a full-graph mode that gets past ``engine_config.configure_engine``
     (vLLM may turn PIECEWISE into FULL itself, e.g. with empty
     ``splitting_ops``) is downgraded to PIECEWISE or refused at start-up.
     """
@@ -207,48 +211,59 @@ class TreeTritonAttentionBackend(TritonAttentionBackend):
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
 
     @staticmethod
+    @override
     def get_name() -> str:
         # vLLM 0.32.0 model_executor/layers/attention/attention.py maps the
         # name back to the enum (AttentionBackendEnum[name]): the slot's name.
         return "CUSTOM"
 
     @staticmethod
+    @override
     def get_impl_cls() -> type[TreeTritonAttentionImpl]:
         return TreeTritonAttentionImpl
 
     @staticmethod
+    @override
     def get_builder_cls() -> type[TreeTritonAttentionMetadataBuilder]:
         return TreeTritonAttentionMetadataBuilder
 
     @classmethod
+    @override
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
     @classmethod
+    @override
     def supports_sliding_window(cls) -> bool:
         return False
 
     @classmethod
+    @override
     def supports_rswa(cls) -> bool:
         return False
 
     @classmethod
+    @override
     def supports_sink(cls) -> bool:
         return False
 
     @classmethod
+    @override
     def supports_mm_prefix(cls) -> bool:
         return False
 
     @classmethod
+    @override
     def supports_non_causal(cls) -> bool:
         return False
 
     @classmethod
+    @override
     def supports_alibi_sqrt(cls) -> bool:
         return False
 
     @classmethod
+    @override
     def supports_batch_invariance(cls) -> bool:
         return False
 
@@ -274,7 +289,7 @@ def check_tree_backend(attention_impls: Sequence[torch.nn.Module]) -> None:
             )
 
 
-# ------------------------------------------------------------------ selection
+# --------------------------------------------------------------- registration
 def register_tree_backend() -> None:
     """Put this backend in vLLM's ``CUSTOM`` attention-backend slot.
 
@@ -292,60 +307,3 @@ def register_tree_backend() -> None:
             f"needs it for tree attention on CUDA: uninstall or disable the package that registers it"
         )
     register_backend(slot, path)
-
-
-def configure_engine_args(engine_args: Any) -> None:
-    """On CUDA, make vLLM build this backend and run attention outside CUDA graphs.
-
-    Called for plugin methods only, from the speculative-config patch, which
-    vLLM 0.32.0 engine/arg_utils.py ``EngineArgs.create_engine_config`` runs
-    *before* it reads ``attention_backend`` / ``attention_config`` and
-    ``compilation_config``. Other platforms are left alone.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        return
-    register_tree_backend()
-    _select_backend(engine_args)
-    _select_cudagraph_mode(engine_args)
-
-
-def _select_backend(engine_args: Any) -> None:
-    from vllm.config.attention import AttentionConfig
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    custom = AttentionBackendEnum.CUSTOM
-    # vLLM 0.32.0 engine/arg_utils.py: ``attention_backend`` (--attention-backend)
-    # and ``attention_config.backend`` are mutually exclusive; "auto" means None.
-    requested = AttentionConfig.validate_backend_before(engine_args.attention_backend) or (
-        engine_args.attention_config.backend
-    )
-    if requested == custom:
-        return
-    if requested is not None:
-        raise SpecbeamConfigError(
-            f"vllm-specbeam verifies trees on CUDA with its own attention backend (a Triton backend in "
-            f"vLLM's CUSTOM slot), but attention backend {requested.name} was requested; remove "
-            f"--attention-backend / attention_config.backend"
-        )
-    config = copy.deepcopy(engine_args.attention_config)  # the user's object stays as they wrote it
-    config.backend = custom
-    engine_args.attention_config = config
-
-
-def _select_cudagraph_mode(engine_args: Any) -> None:
-    from vllm.config import CUDAGraphMode
-
-    mode = engine_args.compilation_config.cudagraph_mode
-    if mode is not None and mode.has_full_cudagraphs():
-        raise SpecbeamConfigError(
-            f"vllm-specbeam tree verification on CUDA needs cudagraph_mode PIECEWISE or NONE, got "
-            f"{mode.name}: each step's tree mask is built on the host, so attention must run outside "
-            f'CUDA graphs; pass --compilation-config \'{{"cudagraph_mode": "PIECEWISE"}}\' or '
-            f"--enforce-eager (PIECEWISE is the default with a vllm-specbeam method)"
-        )
-    if mode is None:  # vLLM would choose FULL_AND_PIECEWISE
-        config = copy.deepcopy(engine_args.compilation_config)
-        config.cudagraph_mode = CUDAGraphMode.PIECEWISE
-        engine_args.compilation_config = config
