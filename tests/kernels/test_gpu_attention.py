@@ -33,7 +33,7 @@ from vllm_kernels import import_vllm_triton_module
 from vllm_specbeam.adapter import engine_config, plugin
 from vllm_specbeam.adapter.attention import cuda as gpu_attention
 from vllm_specbeam.adapter.attention.step import masked_rows, tree_step
-from vllm_specbeam.adapter.runner import TreeRunnerMixin
+from vllm_specbeam.adapter.runner import TreeCounts, TreeRunnerMixin
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.kernels import kv_move as km_mod
@@ -308,14 +308,14 @@ def test_runner_moves_accepted_kv_with_the_kernel_on_cuda():
         input_batch=SimpleNamespace(block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slot_mapping))]),
         _kv_layers=[(None, cache) for cache in caches],
         _kv_layer_pointers=km_mod.layer_pointer_table(caches),
-        tree_stats={"kv_moves": 0},
+        tree_counts=TreeCounts(),
     )
     expected = [cache.clone() for cache in caches]
     kv_move_ref(expected, slot_mapping[[7, 8]], slot_mapping[[6, 7]])
     TreeRunnerMixin._move_accepted_kv(runner, src_rows, dst_rows)
     for got, want in zip(caches, expected, strict=True):
         assert torch.equal(got, want)
-    assert runner.tree_stats["kv_moves"] == 2
+    assert runner.tree_counts.kv_moves == 2
 
 
 # -------------------------------------------------- (c) start-up selection

@@ -26,22 +26,38 @@ when a plugin method is configured. Each vLLM method it overrides is marked
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from typing_extensions import override
 
 from vllm_specbeam.adapter import tree_prompt
-from vllm_specbeam.adapter.attention import cpu as attention
+from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import tree_step
 from vllm_specbeam.adapter.engine_config import plugin_config
-from vllm_specbeam.core.config import METHODS
+from vllm_specbeam.core.config import METHODS, SpecbeamConfig
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.core.verifiers.base import TreeVerifier
 from vllm_specbeam.kernels import kv_move
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import DraftTokenIds, SamplerOutput
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from vllm_specbeam.adapter.attention.cuda import GpuTreeStep
 
 PLACEHOLDER_TOKEN_ID = -1  # vllm.v1.sample.rejection_sampler.PLACEHOLDER_TOKEN_ID
 SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler: temperatures below are greedy
@@ -55,12 +71,12 @@ class DrafterHost:
     must never be reached: the tree runner overrides the call site.
     """
 
-    def __init__(self, vllm_config: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig) -> None:
         self.config = plugin_config(vllm_config)
         drafter_cls = METHODS[self.config.method].drafter_class()
         self.drafter: TreeDrafter = drafter_cls(self.config.options)
 
-    def load_model(self, target_model: Any) -> None:
+    def load_model(self, target_model: torch.nn.Module) -> None:
         self.drafter.load_model(target_model)
 
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
@@ -70,7 +86,7 @@ class DrafterHost:
         )
 
 
-def request_supports_trees(params: Any) -> bool:
+def request_supports_trees(params: SamplingParams) -> bool:
     """Whether a request's target distribution can be verified as a tree.
 
     Temperature, top-k and top-p are applied per row exactly as vLLM does.
@@ -94,7 +110,7 @@ def request_supports_trees(params: Any) -> bool:
 
 
 def target_probabilities(
-    logits: torch.Tensor, batch_indices: list[int], rows_per_request: np.ndarray, sampling_metadata: Any
+    logits: torch.Tensor, batch_indices: list[int], rows_per_request: np.ndarray, sampling_metadata: SamplingMetadata
 ) -> torch.Tensor:
     """The target's sampling distribution for each verification row.
 
@@ -114,10 +130,57 @@ def target_probabilities(
     return apply_top_k_top_p(scaled, per_row(sampling_metadata.top_k), per_row(sampling_metadata.top_p)).softmax(-1)
 
 
+@dataclass(frozen=True)
+class StepTree:
+    """A tree whose rows run in this step: a verifying request's drafts, or
+    the tree at the end of a tree-prompt request's prompt."""
+
+    req_id: str
+    batch_index: int
+    #: token row of the tree's root in this step's batch
+    root_row: int
+    #: the root's position (tokens before it); a node's position is this + its depth
+    root_position: int
+    tree: DraftTree
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What verification decided for one request."""
+
+    #: accepted nodes, shallowest first
+    path: np.ndarray  # [accepted]
+    #: tokens to commit: the accepted drafts, then one token from the target
+    tokens: list[int]
+
+
+@dataclass
+class TreeCounts:
+    """Running totals of one runner (read through :attr:`TreeRunnerMixin.tree_stats`)."""
+
+    #: verified trees (vLLM's padding rows are not trees), their nodes, and the accepted nodes
+    trees: int = 0
+    nodes: int = 0
+    accepted: int = 0
+    #: accepted nodes that are not their parent's first child (a chain would have missed them)
+    accepted_off_first_branch: int = 0
+    kv_moves: int = 0
+    draft_seconds: float = 0.0
+    preempted: int = 0
+    #: sampled single-chain drafts verified as a block
+    block_verified: int = 0
+    #: beam rules: beams kept, summed over accepted depths (mean width = sum / depths)
+    beam_width_sum: int = 0
+    beam_depths: int = 0
+
+    def as_dict(self) -> dict[str, int | float]:
+        return dataclasses.asdict(self)
+
+
 class TreeRunnerMixin:
     """Overrides of the V1 model runner; see the module docstring."""
 
-    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         config = plugin_config(self.vllm_config)
         if config is None:
@@ -125,31 +188,26 @@ class TreeRunnerMixin:
                 "vllm-specbeam: the tree runner was built for an engine without a vllm-specbeam method; "
                 "only the plugin's workers build it, chosen by the speculative-config patch"
             )
-        self.tree_config = config
+        self.tree_config: SpecbeamConfig = config
         if self.device.type == "cpu":
-            attention.install_cpu_tree_attention()
+            cpu_attention.install_cpu_tree_attention()
         self.greedy_verifier, self.sampling_verifier, self.chain_verifier = METHODS[config.method].verifiers()
         self.move_accepted_kv = True  # switched off only by a test that proves the move matters
         self._proposed: dict[str, DraftTree] = {}
-        self._verifying: list[tuple[str, int, int, DraftTree]] = []  # req id, batch index, root row, tree
+        #: this step's trees under verification
+        self._verifying: list[StepTree] = []
         #: trees at the end of tree-prompt requests' prompts (:mod:`vllm_specbeam.adapter.tree_prompt`)
         self._prompt_trees: dict[str, DraftTree] = {}
-        self._tree_step: attention.TreeStep | Any | None = None
-        self._step_drafts: tuple[list[str], list[list[int]]] | None = None
-        #: running totals read by tests and benchmarks (``LLM.collective_rpc``)
-        self.tree_stats = {
-            "trees": 0,
-            "nodes": 0,
-            "accepted": 0,
-            "accepted_off_first_branch": 0,
-            "kv_moves": 0,
-            "draft_seconds": 0.0,
-            "preempted": 0,
-            "block_verified": 0,
-            # beam rules: beams kept, summed over accepted depths (mean width = sum / depths)
-            "beam_width_sum": 0,
-            "beam_depths": 0,
-        }
+        self._tree_step: cpu_attention.TreeStep | GpuTreeStep | None = None
+        #: the drafts proposed this step, for :meth:`take_draft_token_ids`
+        self._step_drafts: DraftTokenIds | None = None
+        self.tree_counts = TreeCounts()
+
+    @property
+    def tree_stats(self) -> dict[str, int | float]:
+        """The counters as a plain dict, for readers through ``LLM.collective_rpc``
+        (tests, benchmarks)."""
+        return self.tree_counts.as_dict()
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -161,20 +219,20 @@ class TreeRunnerMixin:
         super().load_model(*args, **kwargs)
         impls = [layer.impl for layer in self._attention_layers().values()]
         if self.device.type == "cpu":
-            attention.check_cpu_attention_supported(impls)
+            cpu_attention.check_cpu_attention_supported(impls)
         else:
             from vllm_specbeam.adapter.attention.cuda import check_tree_backend
 
             check_tree_backend(impls)
 
-    def _attention_layers(self) -> dict[str, Any]:
+    def _attention_layers(self) -> dict[str, Attention]:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
         return get_layers_from_vllm_config(self.vllm_config, Attention)
 
     @functools.cached_property
-    def _kv_layers(self) -> list[tuple[Any, torch.Tensor]]:
+    def _kv_layers(self) -> list[tuple[Attention, torch.Tensor]]:
         """(attention layer, its KV cache) once per distinct cache tensor."""
         seen, layers = set(), []
         for layer in self._attention_layers().values():
@@ -190,7 +248,7 @@ class TreeRunnerMixin:
         return kv_move.layer_pointer_table([kv_cache for _, kv_cache in self._kv_layers])
 
     @override
-    def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig, *args: Any, **kwargs: Any) -> None:
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 "vllm-specbeam tree verification needs a model with one KV cache group "
@@ -199,7 +257,7 @@ class TreeRunnerMixin:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
 
     @override
-    def _update_states(self, scheduler_output: Any) -> Any:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> Callable[..., Any] | None:
         finished = set(scheduler_output.finished_req_ids)
         for req_id in finished:
             self._proposed.pop(req_id, None)
@@ -212,7 +270,7 @@ class TreeRunnerMixin:
         # its last tree is kept: the scheduler may verify those drafts
         # right after the resumed request's recomputed tokens.
         preempted = set(scheduler_output.preempted_req_ids or ())
-        self.tree_stats["preempted"] += len(preempted)
+        self.tree_counts.preempted += len(preempted)
         gone = finished | preempted
         if gone:
             self.tree_drafter.remove_requests(gone)
@@ -220,37 +278,20 @@ class TreeRunnerMixin:
 
     # -------------------------------------------------------------- inputs
     @override
-    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput, num_scheduled_tokens: np.ndarray
+    ) -> tuple[torch.Tensor, SpecDecodeMetadata | None, int]:
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self._verifying = []
-        context_lens = []
-        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
-            if not drafts:
-                continue
-            if min(drafts) < 0:
-                # vLLM 0.32.0 scheduler.py pads a (re)starting decode to the
-                # full draft length with -1 (to keep CUDA graphs uniform):
-                # rows to skip, nothing to verify.
-                tree = DraftTree.empty()
-            else:
-                # The scheduler may cut the list short; a prefix of a
-                # topologically ordered tree is still a tree.
-                tree = self._proposed[req_id].truncate(len(drafts))
-                if tree.tokens.tolist() != list(drafts):
-                    raise RuntimeError(f"vllm-specbeam: drafts scheduled for {req_id} are not the tree proposed for it")
-            index = self.input_batch.req_id_to_index[req_id]
-            # The drafts are the last rows of the request; before the root may
-            # come prompt or recomputed tokens (a resumed request).
-            before_root = int(num_scheduled_tokens[index]) - 1 - len(drafts)
-            root_row = int(self.query_start_loc.np[index]) + before_root
-            self._verifying.append((req_id, index, root_row, tree))
-            context_lens.append(int(self.input_batch.num_computed_tokens_cpu[index]) + before_root)
-        entries = [(index, row, context, tree) for (_, index, row, tree), context in zip(self._verifying, context_lens)]
-        entries += self._prompt_tree_entries(num_scheduled_tokens)
-        if not entries:
+        self._verifying = [
+            self._verifying_tree(req_id, drafts, num_scheduled_tokens)
+            for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items()
+            if drafts
+        ]
+        trees = self._verifying + self._prompt_trees_in_step(num_scheduled_tokens)
+        if not trees:
             self._tree_step = None
             return result
-        step = self._build_tree_step(entries, scheduler_output.total_num_scheduled_tokens)
+        step = self._build_tree_step(trees, scheduler_output.total_num_scheduled_tokens)
         # Slots were computed from the linear positions above and stay linear;
         # only the positions the model sees (RoPE) become context + depth.
         self.positions[step.node_rows.to(self.positions.device)] = step.node_positions.to(
@@ -259,14 +300,38 @@ class TreeRunnerMixin:
         self._tree_step = step
         return result
 
-    def _prompt_tree_entries(self, num_scheduled_tokens: np.ndarray) -> list[tuple[int, int, int, DraftTree]]:
-        """(batch index, root row, root position, tree) of the tree-prompt
-        requests whose tree rows are computed this step.
+    def _verifying_tree(self, req_id: str, drafts: list[int], num_scheduled_tokens: np.ndarray) -> StepTree:
+        """The tree behind the drafts the scheduler scheduled for ``req_id``."""
+        if min(drafts) < 0:
+            # vLLM 0.32.0 scheduler.py pads a (re)starting decode to the
+            # full draft length with -1 (to keep CUDA graphs uniform):
+            # rows to skip, nothing to verify.
+            tree = DraftTree.empty()
+        else:
+            # The scheduler may cut the list short; a prefix of a
+            # topologically ordered tree is still a tree.
+            tree = self._proposed[req_id].truncate(len(drafts))
+            if tree.tokens.tolist() != list(drafts):
+                raise RuntimeError(f"vllm-specbeam: drafts scheduled for {req_id} are not the tree proposed for it")
+        index = self.input_batch.req_id_to_index[req_id]
+        # The drafts are the last rows of the request; before the root may
+        # come prompt or recomputed tokens (a resumed request).
+        before_root = int(num_scheduled_tokens[index]) - 1 - len(drafts)
+        return StepTree(
+            req_id,
+            index,
+            root_row=int(self.query_start_loc.np[index]) + before_root,
+            root_position=int(self.input_batch.num_computed_tokens_cpu[index]) + before_root,
+            tree=tree,
+        )
+
+    def _prompt_trees_in_step(self, num_scheduled_tokens: np.ndarray) -> list[StepTree]:
+        """The tree-prompt requests whose tree rows are computed this step.
 
         The whole prompt is scheduled in one step: tree-prompt requests are
         admitted only when chunked prefill is off (plugin.py checks).
         """
-        entries = []
+        trees = []
         for req_id, tree in self._prompt_trees.items():
             index = self.input_batch.req_id_to_index.get(req_id)
             if index is None:
@@ -274,29 +339,24 @@ class TreeRunnerMixin:
             computed = int(self.input_batch.num_computed_tokens_cpu[index])
             root = self.requests[req_id].num_prompt_tokens - tree.num_nodes - 1
             if computed <= root < computed + int(num_scheduled_tokens[index]):
-                entries.append((index, int(self.query_start_loc.np[index]) + root - computed, root, tree))
-        return entries
+                root_row = int(self.query_start_loc.np[index]) + root - computed
+                trees.append(StepTree(req_id, index, root_row, root, tree))
+        return trees
 
-    def _build_tree_step(
-        self, entries: list[tuple[int, int, int, DraftTree]], num_tokens: int
-    ) -> attention.TreeStep | Any:
-        """The attention layers' view of this step's trees, built once per step.
-
-        ``entries``: (batch index, root row, root position, tree) of the
-        verifying requests and of the tree-prompt requests.
-        """
-        indices = [index for index, *_ in entries]
-        root_rows = [row for _, row, _, _ in entries]
-        context_lens = [context for _, _, context, _ in entries]
-        trees = [tree for *_, tree in entries]
+    def _build_tree_step(self, trees: list[StepTree], num_tokens: int) -> cpu_attention.TreeStep | GpuTreeStep:
+        """The attention layers' view of this step's trees, built once per step."""
+        indices = [entry.batch_index for entry in trees]
+        root_rows = [entry.root_row for entry in trees]
+        root_positions = [entry.root_position for entry in trees]
+        draft_trees = [entry.tree for entry in trees]
         if self.device.type == "cpu":
-            return attention.TreeStep.build(indices, root_rows, context_lens, trees)
+            return cpu_attention.TreeStep.build(indices, root_rows, root_positions, draft_trees)
         from vllm_specbeam.adapter.attention.cuda import GpuTreeStep
 
         # vLLM 0.32.0 gpu_model_runner.py _prepare_inputs: query_start_loc.np
         # holds each request's first token row.
         request_starts = self.query_start_loc.np[indices].tolist()
-        return GpuTreeStep.build(request_starts, root_rows, context_lens, trees, num_tokens, self.device)
+        return GpuTreeStep.build(request_starts, root_rows, root_positions, draft_trees, num_tokens, self.device)
 
     @override
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -305,38 +365,39 @@ class TreeRunnerMixin:
 
     # -------------------------------------------------------------- verify
     @override
-    def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+    def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: SpecDecodeMetadata | None) -> SamplerOutput:
         if spec_decode_metadata is None or not self._verifying:
             return super()._sample(logits, spec_decode_metadata)
-        from dataclasses import replace
-
         from vllm.v1.outputs import SamplerOutput
 
         sampling_metadata = self.input_batch.sampling_metadata
         # Requests without a tree this step: one token, sampled by vLLM as usual.
         plain = self.sampler(
             logits=logits[spec_decode_metadata.bonus_logits_indices],
-            sampling_metadata=replace(sampling_metadata, max_num_logprobs=None),
-        ).sampled_token_ids.view(-1)
+            sampling_metadata=dataclasses.replace(sampling_metadata, max_num_logprobs=None),
+        ).sampled_token_ids.view(-1)  # [num_reqs]
 
         num_reqs = plain.shape[0]
         width = spec_decode_metadata.max_spec_len + 1
-        first_logit = spec_decode_metadata.cu_num_sampled_tokens.cpu().numpy() - (
-            np.asarray(spec_decode_metadata.num_draft_tokens) + 1
-        )
-        verdicts = self._verify(logits, first_logit, spec_decode_metadata, sampling_metadata)
+        # Each request's first logit row: vLLM 0.32.0 gpu_model_runner.py
+        # _calc_spec_decode_metadata gives every request 1 + its drafts rows, in order.
+        num_sampled = np.asarray(spec_decode_metadata.num_draft_tokens) + 1
+        first_logit = np.cumsum(num_sampled) - num_sampled  # [num_reqs]
+        verdicts = self._verify(logits, first_logit, sampling_metadata)
 
         output = torch.full((num_reqs, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
-        output[:, 0] = plain.to(torch.int32)
-        logit_rows = np.repeat(first_logit[:, None], width, axis=1)  # rows whose logprobs vLLM reports
+        output[:, 0] = plain.to(torch.int32)  # host sync: the output is assembled on the host
+        # The logit row of every output token, for the logprobs vLLM reports.
+        logit_rows = np.repeat(first_logit[:, None], width, axis=1)  # [num_reqs, width]
         src_rows, dst_rows = [], []
-        for (_, index, root_row, tree), (path, tokens) in zip(self._verifying, verdicts):
-            output[index, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-            self._count(tree, path)
-            logit_rows[index, 1 : len(tokens)] = first_logit[index] + 1 + path
+        for entry, verdict in zip(self._verifying, verdicts):
+            path = verdict.path
+            output[entry.batch_index, : len(verdict.tokens)] = torch.tensor(verdict.tokens, dtype=torch.int32)
+            self._count(entry.tree, path)
+            logit_rows[entry.batch_index, 1 : len(verdict.tokens)] = first_logit[entry.batch_index] + 1 + path
             moved = path + 1 != np.arange(1, path.size + 1)
-            src_rows.append(root_row + 1 + path[moved])
-            dst_rows.append(root_row + 1 + np.flatnonzero(moved))
+            src_rows.append(entry.root_row + 1 + path[moved])
+            dst_rows.append(entry.root_row + 1 + np.flatnonzero(moved))
         if self.move_accepted_kv:
             self._move_accepted_kv(src_rows, dst_rows)
         self._verifying = []
@@ -359,12 +420,12 @@ class TreeRunnerMixin:
         v1/worker/block_table.py ``compute_slot_mapping`` writes into
         ``slot_mapping.gpu`` (a CPU tensor too on the CPU backend).
         """
-        slots = self.input_batch.block_table[0].slot_mapping.gpu
+        slots = self.input_batch.block_table[0].slot_mapping.gpu  # [num_tokens]
         counts = [moves.size for moves in src_rows]
         rows = torch.from_numpy(np.concatenate([*src_rows, *dst_rows])).to(slots.device)
-        src, dst = slots[rows].to(torch.int64).tensor_split([sum(counts)])
+        src, dst = slots[rows].to(torch.int64).tensor_split([sum(counts)])  # [moves] each
         if self.device.type == "cpu":
-            attention.move_kv(self._kv_layers, src, dst)
+            cpu_attention.move_kv(self._kv_layers, src, dst)
         else:
             # One launch for all layers; each request's moves run in order, in place.
             cu_moves = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -372,12 +433,12 @@ class TreeRunnerMixin:
                 [kv_cache for _, kv_cache in self._kv_layers], src, dst,
                 torch.from_numpy(cu_moves).to(slots.device), self._kv_layer_pointers,
             )  # fmt: skip
-        self.tree_stats["kv_moves"] += sum(counts)
+        self.tree_counts.kv_moves += sum(counts)
 
     def _verify(
-        self, logits: torch.Tensor, first_logit: np.ndarray, spec_decode_metadata: Any, sampling_metadata: Any
-    ) -> list[tuple[np.ndarray, list[int]]]:
-        """(accepted path, tokens to commit) per verifying request.
+        self, logits: torch.Tensor, first_logit: np.ndarray, sampling_metadata: SamplingMetadata
+    ) -> list[Accepted]:
+        """What to accept for each verifying request, in ``self._verifying``'s order.
 
         Greedy requests: exact argmax matching on the raw logits. Sampled
         requests: the method's lossless rule on the target's probabilities
@@ -385,12 +446,13 @@ class TreeRunnerMixin:
         request whose draft is a single chain gets block verification when the
         method allows it (never fewer accepted tokens, same distribution).
         """
-        rules = [self._rule_for(req_id, tree) for req_id, _, _, tree in self._verifying]
-        results: list[tuple[np.ndarray, list[int]] | None] = [None] * len(self._verifying)
+        rules = [self._rule_for(entry) for entry in self._verifying]
+        results: dict[int, Accepted] = {}
         for rule in {id(r): r for r in rules}.values():
             chosen = [k for k, r in enumerate(rules) if r is rule]
-            indices = [self._verifying[k][1] for k in chosen]
-            trees = [self._verifying[k][3] for k in chosen]
+            indices = [self._verifying[k].batch_index for k in chosen]
+            trees = [self._verifying[k].tree for k in chosen]
+            # host sync: every rule returns its verdicts as host data
             if rule is self.greedy_verifier:
                 verdict = rule.verify(trees, logits, first_logit[indices])
             else:
@@ -403,34 +465,34 @@ class TreeRunnerMixin:
                     [sampling_metadata.generators.get(index) for index in indices],
                 )
             if rule is self.chain_verifier:
-                self.tree_stats["block_verified"] += len(chosen)
+                self.tree_counts.block_verified += len(chosen)
             for widths in verdict.widths or ():
-                self.tree_stats["beam_width_sum"] += sum(widths)
-                self.tree_stats["beam_depths"] += len(widths)
+                self.tree_counts.beam_width_sum += sum(widths)
+                self.tree_counts.beam_depths += len(widths)
             for k, path, tokens in zip(chosen, verdict.accepted, verdict.tokens):
-                results[k] = (path, tokens)
-        return results
+                results[k] = Accepted(path, tokens)
+        return [results[k] for k in range(len(rules))]
 
-    def _rule_for(self, req_id: str, tree: DraftTree) -> Any:
-        if self.requests[req_id].sampling_params.temperature < SAMPLING_EPS:
+    def _rule_for(self, entry: StepTree) -> TreeVerifier:
+        if self.requests[entry.req_id].sampling_params.temperature < SAMPLING_EPS:
             return self.greedy_verifier
-        if self.chain_verifier is not None and tree.is_chain:
+        if self.chain_verifier is not None and entry.tree.is_chain:
             return self.chain_verifier
         return self.sampling_verifier
 
     def _count(self, tree: DraftTree, path: np.ndarray) -> None:
         if tree.num_nodes == 0:  # vLLM's padding rows, not a draft
             return
-        stats = self.tree_stats
-        stats["trees"] += 1
-        stats["nodes"] += tree.num_nodes
-        stats["accepted"] += int(path.size)
+        counts = self.tree_counts
+        counts.trees += 1
+        counts.nodes += tree.num_nodes
+        counts.accepted += int(path.size)
         first_children = {int(p): int(np.argmax(tree.parents == p)) for p in tree.parents[path]}
-        stats["accepted_off_first_branch"] += sum(first_children[int(tree.parents[n])] != int(n) for n in path)
+        counts.accepted_off_first_branch += sum(first_children[int(tree.parents[n])] != int(n) for n in path)
 
     # -------------------------------------------------------------- draft
     @override
-    def take_draft_token_ids(self) -> Any:
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
         """Hand the scheduler this step's trees, and nothing else.
 
         vLLM 0.32.0 gpu_model_runner.py ``take_draft_token_ids`` reads a
@@ -439,13 +501,15 @@ class TreeRunnerMixin:
         then schedule drafts no tree describes. Here a step without proposals
         gives no drafts.
         """
-        from vllm.v1.outputs import DraftTokenIds
-
         drafts, self._step_drafts = self._step_drafts, None
-        return None if drafts is None else DraftTokenIds(*drafts)
+        return drafts
 
     @override
-    def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+    def propose_draft_token_ids(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any
+    ) -> list[list[int]]:
+        from vllm.v1.outputs import DraftTokenIds
+
         batch = self.input_batch
         requests, positions = [], []
         for index, req_id in enumerate(batch.req_ids):
@@ -472,13 +536,13 @@ class TreeRunnerMixin:
         max_len = self.vllm_config.model_config.max_model_len
         start = time.perf_counter()
         trees = self.tree_drafter.propose(requests)
-        self.tree_stats["draft_seconds"] += time.perf_counter() - start
+        self.tree_counts.draft_seconds += time.perf_counter() - start
         for index, request, tree in zip(positions, requests, trees):
             # Every node needs a KV slot below max_model_len.
             tree = tree.truncate(max(0, min(tree.num_nodes, max_len - request.token_ids.size - 1)))
             self._proposed[request.req_id] = tree
             drafts[index] = tree.tokens.tolist()
-        self._step_drafts = (list(batch.req_ids), drafts)
+        self._step_drafts = DraftTokenIds(list(batch.req_ids), drafts)
         return drafts
 
 
