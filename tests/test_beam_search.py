@@ -186,9 +186,12 @@ def test_server_path_speculates_only_where_it_is_exact():
     from vllm.sampling_params import BeamSearchParams
 
     from vllm_specbeam.adapter.beam_search_server import fallback_reason
+    from vllm_specbeam.adapter.engine_config import with_plugin_config
+    from vllm_specbeam.core.config import SpecbeamConfig
 
     def client(method="dsbd", chunked=False, prefix=True):
-        extra = {} if method is None else {"specbeam": {"method": method}}
+        options = {"num_speculative_tokens": 4, "max_nodes": 16}
+        extra = {} if method is None else with_plugin_config(None, SpecbeamConfig(method, options))
         return SimpleNamespace(
             vllm_config=SimpleNamespace(
                 additional_config=extra,
