@@ -74,6 +74,11 @@ CHAIN_GRID = {"none": [4], "quick": [4], "full": [2, 4, 6]}
 DRAFT_GRID = {"none": [3], "quick": [3], "full": [3, 5]}
 BEAM_GRID = {"none": [4], "quick": [2, 4], "full": [2, 4]}
 
+#: ``dsbd`` at ``max_width: 1``: a chain from the same draft as vLLM's
+#: ``draft_model``, at the same K (``DRAFT_GRID``), the runtimes compared on
+#: the same work. Its own row, so the adaptive width's best stays apart.
+DSBD_CHAIN = "dsbd-chain"
+
 #: ``aded`` started from the ``--trigram`` matrix, reported next to ``aded``
 #: without a corpus.
 ADED_CORPUS = "aded+corpus"
@@ -157,6 +162,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         "suffix",
         "beam_search",
         SPEC_BEAM,
+        DSBD_CHAIN,
         *plugin_methods(),
     }
     if unknown:
@@ -187,9 +193,12 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
 
     available_beam = []
     for name, method in plugin_methods().items():
-        # the speculative beam search runs on a dsbd engine, with or without in-engine dsbd's rows
-        beam_only = wanted is not None and name not in wanted and name == "dsbd" and SPEC_BEAM in wanted
-        if wanted is not None and name not in wanted and not beam_only:
+        # the speculative beam search and the chain run on dsbd engines, with or without in-engine dsbd's rows
+        dsbd_rows = {SPEC_BEAM, DSBD_CHAIN}
+        extra_rows_only = (
+            wanted is not None and name not in wanted and name == "dsbd" and not wanted.isdisjoint(dsbd_rows)
+        )
+        if wanted is not None and name not in wanted and not extra_rows_only:
             continue
         if method.drafter is None:
             status[name] = MethodStatus(
@@ -214,7 +223,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             )
             for d, n in grid
         ]
-        if not beam_only:
+        if not extra_rows_only:
             status[name] = MethodStatus("plugin")
             engines.append(EngineSpec(name, name, "plugin", config, settings))
         if name in BEAM_METHODS:
@@ -235,6 +244,15 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
                     engine_kwargs={**BEAM_ENGINE, "enable_chunked_prefill": False},
                 )
             )
+        if name == "dsbd" and (wanted is None or DSBD_CHAIN in wanted):
+            status[DSBD_CHAIN] = MethodStatus("plugin")
+            ks = DRAFT_GRID[args.sweep]
+            chain_config = {**config, "num_speculative_tokens": max(ks), "max_nodes": max(ks), "max_width": 1}
+            chain_settings = [
+                Setting(f"k{k}", {"num_speculative_tokens": k}, {"num_speculative_tokens": k, "max_nodes": k})
+                for k in ks
+            ]
+            engines.append(EngineSpec(DSBD_CHAIN, DSBD_CHAIN, "plugin", chain_config, chain_settings))
         if name == "aded" and args.trigram:
             # The same method started from a corpus matrix, as its own row.
             status[ADED_CORPUS] = MethodStatus("plugin")

@@ -27,6 +27,11 @@ TIGHT = {
 MAX_TOKENS = 96
 
 
+def _kv_usage(llm) -> float:
+    """The scheduler's share of KV blocks in use (freed prefix-cache blocks count as free)."""
+    return next(m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc")
+
+
 def _live_state(worker) -> dict[str, int]:
     runner = worker.model_runner
     return {"proposed": len(runner._proposed), "drafter": runner.tree_drafter.live_requests}
@@ -36,8 +41,10 @@ def _live_state(worker) -> dict[str, int]:
 def tight(request, engines, tiny_draft):
     if request.param == "aded":
         return engines.get(ADED, **TIGHT)
+    # The same six blocks: each holds the draft's K/V too (same shape as the target's), in vLLM's cache.
     return engines.get(
-        {"method": "dsbd", "model": tiny_draft, "num_speculative_tokens": 3, "max_nodes": 12, "max_width": 1}, **TIGHT
+        {"method": "dsbd", "model": tiny_draft, "num_speculative_tokens": 3, "max_nodes": 12, "max_width": 1},
+        **{**TIGHT, "kv_cache_memory_bytes": 2 * TIGHT["kv_cache_memory_bytes"]},
     )
 
 
@@ -49,6 +56,7 @@ def test_preemption_and_chunked_prefill_keep_greedy_exact(engines, tight):
     assert runner_stats(tight)["preempted"] > before["preempted"]
     assert runner_stats(tight)["accepted"] > before["accepted"]
     assert tight.collective_rpc(_live_state)[0] == {"proposed": 0, "drafter": 0}
+    assert _kv_usage(tight) == 0.0  # every block back, the draft's K/V in them too
 
 
 def test_aborted_requests_free_drafter_state(tight):
@@ -66,3 +74,4 @@ def test_aborted_requests_free_drafter_state(tight):
     assert finished == {f"abort-{i}" for i in range(1, 6, 2)}
     engine.step()  # one more step delivers the last finished ids to the worker
     assert tight.collective_rpc(_live_state)[0] == {"proposed": 0, "drafter": 0}
+    assert _kv_usage(tight) == 0.0

@@ -12,7 +12,7 @@ from pathlib import Path
 VOCAB_WORDS = 100
 
 
-def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004, word_prefix: str = "w") -> Path:
+def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004, word_prefix: str = "w", **shape: int) -> Path:
     """Write a loadable model directory to ``path`` and return it.
 
     Random weights, but shaped so greedy decoding behaves like a real model on
@@ -23,7 +23,8 @@ def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004, word_pref
     different tokens in different contexts (trees branch, and a wrong tree
     attention mask or position changes the output). Another ``seed`` gives a
     draft model for the same tokenizer; another ``word_prefix`` a model whose
-    vocabulary does not match.
+    vocabulary does not match; ``shape`` overrides sizes of the config (a
+    draft whose K/V differ from the target's).
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -51,6 +52,8 @@ def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004, word_pref
         initializer_range=0.5,
         torch_dtype="float32",
     )
+    for name, value in shape.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():

@@ -136,6 +136,8 @@ TRITON_CLASS_VARIABLES = tuple(
 BLOCK_HASH_EXTRA_KEYS = Target("vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys")
 #: 6. the server's use_beam_search (adapter/beam_search_server.py)
 ONLINE_BEAM_SEARCH = Target("vllm.entrypoints.generate.beam_search.online:BeamSearchOnlineMixin.beam_search")
+#: 7. KV slots the scheduler reserves past a step's tokens: the in-worker draft's scratch (adapter/draft_model.py)
+NUM_LOOKAHEAD_TOKENS = Target("vllm.config.vllm:VllmConfig.num_lookahead_tokens", "attribute")
 
 TARGETS = (
     CREATE_SPECULATIVE_CONFIG,
@@ -152,6 +154,7 @@ TARGETS = (
     *TRITON_CLASS_VARIABLES,
     BLOCK_HASH_EXTRA_KEYS,
     ONLINE_BEAM_SEARCH,
+    NUM_LOOKAHEAD_TOKENS,
 )
 
 

@@ -44,8 +44,12 @@ the problems are logged, and requesting a plugin method fails with them.
    ``use_beam_search`` runs the speculative beam search on ``dsbd`` engines
    (:mod:`vllm_specbeam.adapter.beam_search_server`) and vLLM's own
    otherwise. Used in the API server's process.
+7. ``VllmConfig.num_lookahead_tokens`` (vllm/config/vllm.py): for draft-model
+   methods on CPU, also the KV slots the in-worker draft writes its tree nodes
+   to (:func:`vllm_specbeam.adapter.draft_model.lookahead`). Read by the
+   scheduler, in the engine-core process.
 
-Patches 2, 5 and 6 fall through to vLLM when no plugin method is configured.
+Patches 2, 5, 6 and 7 fall through to vLLM when no plugin method is configured.
 """
 
 from __future__ import annotations
@@ -87,9 +91,10 @@ def register() -> None:
     if problems:
         logger.error("%s\nvLLM runs without vllm-specbeam's methods.", patches.report(problems.values()))
         return
-    from vllm_specbeam.adapter import beam_search_server, tree_prompt
+    from vllm_specbeam.adapter import beam_search_server, draft_model, tree_prompt
 
     patches.wrap(patches.VALIDATE_PARAMS, _validate_params)
+    patches.wrap(patches.NUM_LOOKAHEAD_TOKENS, draft_model.lookahead)
     patches.wrap(patches.BLOCK_HASH_EXTRA_KEYS, tree_prompt.block_hash_extra_keys)
     patches.wrap(patches.ONLINE_BEAM_SEARCH, beam_search_server.patch)
     if current_platform.is_cuda():
@@ -116,9 +121,13 @@ def _speculative_config(stock: Callable[..., SpeculativeConfig | None]) -> Calla
         if not is_plugin_method(spec):
             check_known_method(spec)
             return stock(self, target_model_config, target_parallel_config)
+        from vllm_specbeam.adapter import draft_model
+
         patches.raise_problems()
         config = parse(spec, target_tokenizer=self.tokenizer or self.model)
         configure_engine(self, target_parallel_config)
+        if draft_model.uses_worker_draft(config):
+            draft_model.check_worker_draft_options(config)
         self.additional_config = with_plugin_config(self.additional_config, config)
         self.speculative_config = vllm_carrier(config)
         try:

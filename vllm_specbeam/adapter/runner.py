@@ -40,6 +40,7 @@ from typing_extensions import override
 from vllm_specbeam.adapter import tree_prompt
 from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import tree_step
+from vllm_specbeam.adapter.draft_model import WorkerDraftRuntime, uses_worker_draft
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
@@ -77,7 +78,9 @@ class DrafterHost:
         self.drafter: TreeDrafter = drafter_cls(self.config.options)
 
     def load_model(self, target_model: torch.nn.Module) -> None:
-        self.drafter.load_model(target_model)
+        # An in-worker draft is loaded by the tree runner once the target is (it needs the runner).
+        if not uses_worker_draft(self.config):
+            self.drafter.load_model(target_model)
 
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
         raise RuntimeError(
@@ -202,6 +205,8 @@ class TreeRunnerMixin:
         #: the drafts proposed this step, for :meth:`take_draft_token_ids`
         self._step_drafts: DraftTokenIds | None = None
         self.tree_counts = TreeCounts()
+        #: the draft model inside the worker (draft-model methods on CPU), see :mod:`.draft_model`
+        self.draft_runtime: WorkerDraftRuntime | None = None
 
     @property
     def tree_stats(self) -> dict[str, int | float]:
@@ -224,6 +229,16 @@ class TreeRunnerMixin:
             from vllm_specbeam.adapter.attention.cuda import check_tree_backend
 
             check_tree_backend(impls)
+        if uses_worker_draft(self.tree_config):
+            assert self.tree_config.draft_model is not None  # parse() requires it for draft-model methods
+            use_runtime = getattr(self.tree_drafter, "use_runtime", None)
+            if use_runtime is None:
+                raise NotImplementedError(
+                    f"vllm-specbeam: {self.tree_config.method}'s drafter cannot use a draft model loaded by vLLM "
+                    f"(it has no use_runtime method); give it one, as methods/dsbd/drafter.py does"
+                )
+            self.draft_runtime = WorkerDraftRuntime(self, self.tree_config.draft_model)
+            use_runtime(self.draft_runtime)
 
     def _attention_layers(self) -> dict[str, Attention]:
         from vllm.config import get_layers_from_vllm_config
@@ -233,10 +248,14 @@ class TreeRunnerMixin:
 
     @functools.cached_property
     def _kv_layers(self) -> list[tuple[Attention, torch.Tensor]]:
-        """(attention layer, its KV cache) once per distinct cache tensor."""
+        """(attention layer, its KV cache) once per distinct cache tensor, the target's
+        only: an in-worker draft's K/V past its committed tokens is rewritten by its next sync."""
+        draft = set() if self.draft_runtime is None else set(self.draft_runtime.layers)
         seen, layers = set(), []
-        for layer in self._attention_layers().values():
+        for name, layer in self._attention_layers().items():
             kv_cache = layer.kv_cache
+            if name in draft:
+                continue
             if isinstance(kv_cache, torch.Tensor) and kv_cache.data_ptr() not in seen:
                 seen.add(kv_cache.data_ptr())
                 layers.append((layer, kv_cache))
@@ -255,6 +274,18 @@ class TreeRunnerMixin:
                 "(plain full attention); this model has hybrid or several attention groups"
             )
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        if self.draft_runtime is not None:
+            self.draft_runtime.bind()
+
+    @override
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        ran = self.execute_model_state is not None
+        output = super().sample_tokens(*args, **kwargs)
+        if ran and self.draft_runtime is not None:
+            # Every step, drafting or not (vLLM skips the drafter on some steps):
+            # blocks the target computed must hold the draft's K/V before a prefix hit reuses them.
+            self.draft_runtime.sync_step()
+        return output
 
     @override
     def _update_states(self, scheduler_output: SchedulerOutput) -> Callable[..., Any] | None:

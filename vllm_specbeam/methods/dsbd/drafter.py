@@ -2,13 +2,13 @@
 
 All requests of a step are drafted together, one draft-model forward per
 depth (see :mod:`vllm_specbeam.draft_runtime.hf` for why batching pays):
-:meth:`DraftModelRuntime.sync_many` feeds every request's tokens committed
+:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.sync_many` feeds every request's tokens committed
 since the last step and gives each ``q(. | context)``; then for every depth,
 per request, the draft joint over (beam, token) pairs is formed from the
 beams' scores and their ``q`` rows, ``max_width`` pairs are drawn i.i.d. from
 it (with replacement, as beam sampling does), and the new beams of all
 requests still drafting are fed to the draft model as one level of their
-trees (:meth:`DraftModelRuntime.extend_many`) to get their own ``q`` rows.
+trees (:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.extend_many`) to get their own ``q`` rows.
 ``max_width`` pairs are drawn at every depth because the target decides how
 many it keeps (:func:`vllm_specbeam.methods.dsbd.maths.choose_width` needs the target's
 joint); ``max_nodes`` cuts the last depths short. Requests differ in widths,
@@ -38,6 +38,7 @@ import torch
 from vllm_specbeam.core.config import Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.draft_runtime.hf import DraftModelError, DraftModelRuntime, check_vocabularies, placement
 from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
 
@@ -148,7 +149,7 @@ class DsbdDrafter(TreeDrafter):
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
-        self.runtime: DraftModelRuntime | None = None
+        self.runtime: DraftRuntime | None = None
         self.generator = torch.Generator().manual_seed(self.options.get("seed", 0))
 
     def load_model(self, target_model: Any) -> None:
@@ -172,6 +173,10 @@ class DsbdDrafter(TreeDrafter):
             max_tokens_per_request=self.options.get("max_cache_tokens_per_request", 0),
             max_total_tokens=self.options.get("max_cache_tokens_total", 0),
         )
+
+    def use_runtime(self, runtime: DraftRuntime) -> None:
+        """Draft with a draft model the engine loaded itself (instead of :meth:`load_model`)."""
+        self.runtime = runtime
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         if self.runtime is None:
@@ -204,7 +209,7 @@ def _start(request: DraftRequest, widths: list[int], logits: torch.Tensor) -> Dr
     return _BeamSample(request.req_id, widths, logits, temperature, request.options)
 
 
-def draft_beams(runtime: DraftModelRuntime, beams: list[DraftBeams], generator: torch.Generator | None) -> None:
+def draft_beams(runtime: DraftRuntime, beams: list[DraftBeams], generator: torch.Generator | None) -> None:
     """Advance every request's beams to their last depth, one batched draft
     forward per depth for all requests still drafting (draws in request order)."""
     drafting = list(beams)

@@ -1,0 +1,165 @@
+"""The in-worker draft model (adapter/draft_model.py): vLLM loads it, its K/V live in vLLM's paged cache.
+
+The draft's K/V shape differs from the target's (3 layers of 4 KV heads of
+size 64 against 2 layers of 2 heads of size 32), so it gets its own attention
+group in the target's one KV group. Its embeddings and head are the target's,
+so its drafts are often accepted and sometimes not: the engine steps mix
+acceptances and rejections, and every later draft must still be right
+(the rollback to the committed tokens).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import KV_CACHE_BYTES, make_prompts
+
+#: float32, the CPU attention kernel against transformers' SDPA (docs/draft-runtime.md Q2: up to 2e-4)
+ATOL = 5e-4
+DRAFT_SHAPE = {"num_hidden_layers": 3, "num_key_value_heads": 4, "head_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def wide_draft(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Same tokenizer, embeddings and head as the target; other attention shapes and weights."""
+    from tiny_model import build_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny-wide-draft"), seed=1, **DRAFT_SHAPE)
+    target = AutoModelForCausalLM.from_pretrained(tiny_model)
+    draft = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        draft.lm_head.weight.copy_(target.lm_head.weight)
+    draft.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _record(worker) -> None:
+    """Log every call of the worker's draft runtime with its logits."""
+    runtime = worker.model_runner.draft_runtime
+    runtime.calls = []
+    sync_many, extend_many = runtime.sync_many, runtime.extend_many
+
+    def sync(requests):
+        results = sync_many(requests)
+        runtime.calls += [("sync", r, list(map(int, t)), None, x) for (r, t, _), x in zip(requests, results)]
+        return results
+
+    def extend(nodes):
+        results = extend_many(nodes)
+        runtime.calls += [("extend", r, list(t), list(p), x) for (r, t, p), x in zip(nodes, results)]
+        return results
+
+    runtime.sync_many, runtime.extend_many = sync, extend
+
+
+def _check(worker, draft: str) -> dict:
+    """Each logged logit row against transformers on the same tokens as a plain sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    context: dict[str, list[int]] = {}
+    trees: dict[str, list[tuple[int, int]]] = {}
+    worst = {"sync": 0.0, "extend": 0.0}
+    counts = {"sync": 0, "extend": 0, "branching_depths": 0}
+    for kind, req_id, tokens, parents, logits in worker.model_runner.draft_runtime.calls:
+        if kind == "sync":
+            context[req_id], trees[req_id] = tokens, []
+            if logits is None:
+                continue
+            sequences, rows = [tokens], logits[None]
+        else:
+            first = len(trees[req_id])
+            trees[req_id] += zip(tokens, parents)
+            sequences = [context[req_id] + _path(trees[req_id], first + i) for i in range(len(tokens))]
+            rows = logits
+            counts["branching_depths"] += len(set(parents)) < len(parents)
+        with torch.inference_mode():
+            for sequence, row in zip(sequences, rows):
+                reference = model(torch.tensor([sequence])).logits[0, -1]
+                worst[kind] = max(worst[kind], float((row - reference).abs().max()))
+                counts[kind] += 1
+    return {"worst": worst, "counts": counts, "stats": dict(worker.model_runner.tree_stats)}
+
+
+def _path(nodes: list[tuple[int, int]], node: int) -> list[int]:
+    tokens = []
+    while node != -1:
+        tokens.insert(0, nodes[node][0])
+        node = nodes[node][1]
+    return tokens
+
+
+def _counter(llm, name: str) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def _num_blocks(worker) -> int:
+    return worker.model_runner.kv_cache_config.num_blocks
+
+
+def _page_bytes(model: str, dtype_bytes: int = 4) -> int:
+    """Bytes one 128-token block takes in all of a model's layers (K and V)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * dtype_bytes * 128
+
+
+def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wide_draft: str) -> None:
+    from vllm import SamplingParams
+
+    spec = {"method": "dsbd", "model": wide_draft, "num_speculative_tokens": 3, "max_nodes": 8, "max_width": 2}
+    llm = engines.get(spec)
+    llm.collective_rpc(_record)
+    prompts = [make_prompts(10)[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
+    llm.generate(prompts + prompts[:2], [greedy] * 3 + [sampled] * 2)
+    # A later request sharing the longest prompt's first blocks starts from a prefix-cache
+    # hit: the draft's K/V of those blocks come from the earlier request.
+    hits = _counter(llm, "vllm:prefix_cache_hits")
+    llm.generate([prompts[2] + " and then some more words"], greedy)
+    assert _counter(llm, "vllm:prefix_cache_hits") - hits >= 128
+    result = llm.collective_rpc(_check, args=(wide_draft,))[0]
+    stats, counts = result["stats"], result["counts"]
+    assert stats["accepted"] > 0 and stats["nodes"] > stats["accepted"]  # acceptances and rejections
+    assert counts["sync"] > 20 and counts["extend"] > 50 and counts["branching_depths"] > 0
+    assert result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL, result["worst"]
+
+    # One KV group for both models: a block holds both models' K/V of its 128 tokens.
+    with_draft = llm.collective_rpc(_num_blocks)[0]
+    engines.close()
+    without = engines.get({"method": "lookup_tree", "num_speculative_tokens": 3, "max_nodes": 8})
+    assert without.collective_rpc(_num_blocks)[0] == KV_CACHE_BYTES // _page_bytes(tiny_model)
+    assert with_draft == KV_CACHE_BYTES // (_page_bytes(tiny_model) + _page_bytes(wide_draft))
+    engines.close()
+
+
+def test_draft_shape_differs_from_the_targets(tiny_model: str, wide_draft: str) -> None:
+    """The premise of the test above: another K/V shape and layer count."""
+    assert _page_bytes(wide_draft) != _page_bytes(tiny_model) and Path(wide_draft).is_dir()
+
+
+def test_bfloat16_draft_of_a_float32_target_is_greedy_exact(engines, tiny_model: str, wide_draft: str) -> None:
+    """``draft_dtype``: the draft's layers keep their K/V in their own dtype within the target's blocks."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = make_prompts(6)
+    reference = [o.outputs[0].token_ids for o in engines.get(None).generate(prompts, greedy)]
+    spec = {"method": "dsbd", "model": wide_draft, "num_speculative_tokens": 3, "max_nodes": 3, "max_width": 1}
+    llm = engines.get({**spec, "draft_dtype": "bfloat16"})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
+    assert llm.collective_rpc(_draft_dtype)[0] == "torch.bfloat16"
+    assert llm.collective_rpc(_num_blocks)[0] == KV_CACHE_BYTES // (
+        _page_bytes(tiny_model) + _page_bytes(wide_draft, dtype_bytes=2)
+    )
+
+
+def _draft_dtype(worker) -> str:
+    return str(next(worker.model_runner.draft_runtime.model.parameters()).dtype)

@@ -1,0 +1,385 @@
+"""The draft model inside vLLM's worker (CPU): loaded by vLLM, its K/V in vLLM's paged cache.
+
+Verified design: docs/draft-runtime.md. In short (vLLM 0.32.0):
+
+- **Loading.** The runner's ``load_model`` (after the target) loads the draft
+  with vLLM's ``get_model`` under a draft ``ModelConfig``, as vLLM's own
+  ``DraftModelProposer`` does. The draft's config shares the target's
+  ``compilation_config``, so its attention layers register next to the
+  target's; they are found by diffing the attention layers before and after.
+- **KV cache.** The runner's KV-cache spec then covers both models: one KV
+  group (equal block sizes suffice), so every block holds the target's and the
+  draft's K/V of the same tokens, and the runner splits the group into one
+  attention group per model. The draft's forwards use the draft's attention
+  group's metadata builder, the request's own block-table row, and
+  ``slot_mapping`` in the forward context (the K/V write reads it there).
+- **Slots.** Committed token ``j`` sits in the request's slot ``j`` (as the
+  target's). A round's tree nodes take scratch slots after the last committed
+  token (``root + 1 + i`` for the ``i``-th node fed), never derived from their
+  RoPE position ``context - 1 + depth``; each depth is one forward whose rows
+  get the ancestor-only mask from the CPU tree attention
+  (:class:`~vllm_specbeam.adapter.attention.cpu.TreeStep`). The scheduler
+  reserves those slots: :func:`lookahead` raises
+  ``VllmConfig.num_lookahead_tokens`` for plugin draft-model methods.
+- **Rollback** is free: a sync feeds the committed tokens from the first slot
+  whose draft K/V is not known valid, overwriting the previous round's scratch.
+- **Prefix caching.** A cached block carries the draft's K/V too, so the
+  draft must have fed every token the target computes, every step, for every
+  scheduled request (drafting or not): :meth:`WorkerDraftRuntime.sync_step`
+  runs after each step's sampling. A new request then trusts the draft's K/V up
+  to its prefix hit (``num_computed_tokens``).
+
+CPU only: on CUDA the plugin's draft-model methods keep the Hugging Face
+runtime (:mod:`vllm_specbeam.draft_runtime.hf`) until the CUDA tree backend is
+checked with draft layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from vllm_specbeam.adapter.attention import cpu as cpu_attention
+from vllm_specbeam.adapter.attention.step import tree_step
+from vllm_specbeam.adapter.engine_config import plugin_config
+from vllm_specbeam.core.config import METHODS, SpecbeamConfig, SpecbeamConfigError
+from vllm_specbeam.core.tree import ROOT
+from vllm_specbeam.draft_runtime.hf import placement
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.utils import AttentionGroup
+
+
+def uses_worker_draft(config: SpecbeamConfig | None) -> bool:
+    """Whether the method's draft model runs inside vLLM's worker (CPU only for now)."""
+    from vllm.platforms import current_platform
+
+    return config is not None and METHODS[config.method].needs_draft_model and current_platform.is_cpu()
+
+
+#: dsbd options of the Hugging Face runtime (draft_runtime/hf.py) that vLLM's own cache and placement replace
+_HF_RUNTIME_OPTIONS = {"draft_device": "auto", "max_cache_tokens_per_request": 0, "max_cache_tokens_total": 0}
+
+
+def check_worker_draft_options(config: SpecbeamConfig) -> None:
+    """Refuse, at start-up, options the in-worker draft cannot honour: its K/V
+    share the target's blocks (vLLM sizes and frees them) on the target's device."""
+    options = config.options
+    for name, default in _HF_RUNTIME_OPTIONS.items():
+        if name in options and options[name] != default:
+            raise SpecbeamConfigError(
+                f"{config.method}: {name}={options[name]!r} applies to the Hugging Face draft runtime only; on "
+                f"vLLM's CPU backend the draft runs inside vLLM's worker, on the target's device with its K/V in "
+                f"vLLM's KV cache (size it with VLLM_CPU_KVCACHE_SPACE): remove {name}"
+            )
+
+
+def _model_dtype(draft_dtype: str, target_dtype: torch.dtype) -> torch.dtype | str:
+    """The draft ``ModelConfig``'s dtype from the ``draft_dtype`` option ("checkpoint" is vLLM's "auto")."""
+    dtype = placement("auto", draft_dtype, "cpu", target_dtype)[1]
+    return "auto" if dtype == "checkpoint" else dtype
+
+
+class _LookaheadProperty(property):
+    """A property that can carry :func:`~vllm_specbeam.adapter.patches.wrap`'s marker."""
+
+
+def lookahead(stock: property) -> property:
+    """``VllmConfig.num_lookahead_tokens`` reserving the in-worker draft's slots.
+
+    vLLM gives ``custom_class`` no lookahead, so scratch slots past the
+    scheduled tokens would fall on block 0 (vLLM's null block), silently
+    shared by all requests. A round needs the bonus token's slot plus one per
+    tree node fed: ``max_nodes + 1`` bounds it. The scheduler reads the
+    property once, in the engine-core process, where ``register()`` has run.
+    """
+    if stock.fget is None:
+        raise TypeError("VllmConfig.num_lookahead_tokens has no getter")
+    getter = stock.fget
+
+    def num_lookahead_tokens(self: VllmConfig) -> int:
+        tokens = int(getter(self))
+        config = plugin_config(self)
+        if not uses_worker_draft(config):
+            return tokens
+        assert config is not None
+        return max(tokens, config.max_nodes + 1)
+
+    return _LookaheadProperty(num_lookahead_tokens, doc=stock.__doc__)
+
+
+@dataclasses.dataclass
+class _Request:
+    """One request's draft state: which slots hold valid draft K/V, and this round's tree."""
+
+    #: slots ``[0, valid)`` hold the draft's K/V of the committed tokens
+    valid: int
+    #: committed tokens at the last sync (the tree's root is token ``length - 1``)
+    length: int = 0
+    #: per tree node fed this round: its depth and the scratch slots it attends to (ancestors and itself)
+    depths: list[int] = dataclasses.field(default_factory=list)
+    visible: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Feed:
+    """The rows one forward computes for one request."""
+
+    batch_index: int
+    tokens: list[int]
+    positions: list[int]  # RoPE positions
+    slots: list[int]  # slot positions in the request's blocks
+    seq_len: int  # slots the forward's attention may read: ``max(slots) + 1``
+    #: tree nodes: the slots each row attends to besides the committed context; ``None``: causal rows
+    visible: list[list[int]] | None = None
+    context: int = 0
+
+
+class WorkerDraftRuntime:
+    """A draft model loaded by vLLM in the runner's process; the API of
+    :class:`~vllm_specbeam.draft_runtime.base.DraftRuntime` (see the module docstring)."""
+
+    def __init__(self, runner: Any, draft_model: str) -> None:
+        """Load the draft next to ``runner``'s target (from the runner's ``load_model``, after the target)."""
+        from vllm.compilation.backends import set_model_tag
+        from vllm.config import CompilationMode, ModelConfig, get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.model_executor.model_loader import get_model
+
+        config, target = runner.vllm_config, runner.vllm_config.model_config
+        draft_config = ModelConfig(
+            model=draft_model,
+            runner="draft",
+            tokenizer=target.tokenizer,
+            tokenizer_mode=target.tokenizer_mode,
+            trust_remote_code=target.trust_remote_code,
+            dtype=_model_dtype(runner.tree_config.options["draft_dtype"], target.dtype),
+            seed=target.seed,
+            max_model_len=target.max_model_len,
+            enforce_eager=target.enforce_eager,
+        )
+        before = set(get_layers_from_vllm_config(config, Attention))
+        # The draft runs eagerly: compiled lazily in its first forward it stalled an engine
+        # for minutes on a loaded 2-core CPU (docs/draft-runtime.md: 27 s unloaded). The shallow
+        # copy keeps the target's static_forward_context, which puts the draft's layers into
+        # the runner's KV-cache spec.
+        compilation = copy.copy(config.compilation_config)
+        compilation.mode = CompilationMode.NONE
+        self.vllm_config = dataclasses.replace(
+            config, model_config=draft_config, quant_config=None, compilation_config=compilation
+        )
+        with set_model_tag("draft_model"):
+            self.model = get_model(vllm_config=self.vllm_config, prefix="draft_model")
+        layers = get_layers_from_vllm_config(config, Attention)
+        #: the draft's attention layers, by name
+        self.layers = sorted(set(layers) - before)
+        if not self.layers:
+            raise RuntimeError(
+                f"vllm-specbeam: draft model {draft_model!r} registered no attention layer in the target's "
+                f"forward context; the in-worker draft needs a decoder with vLLM's Attention layers"
+            )
+        cpu_attention.check_cpu_attention_supported([layers[name].impl for name in self.layers])
+        self.runner = runner
+        self.vocab_size = target.get_vocab_size()
+        self._group: AttentionGroup | None = None
+        self._requests: dict[str, _Request] = {}
+
+    def bind(self) -> None:
+        """Find the attention group holding the draft's layers (after the runner's ``initialize_kv_cache``).
+
+        A draft whose K/V shape differs from the target's gets a group of its
+        own; one of the same shape shares the target's (same spec, same builder).
+        """
+        groups = [g for g in self.runner.attn_groups[0] if set(self.layers) <= set(g.layer_names)]
+        if len(groups) != 1:
+            found = [g.layer_names for g in self.runner.attn_groups[0]]
+            raise RuntimeError(
+                f"vllm-specbeam: the draft's attention layers {self.layers} are not in one attention group "
+                f"of the target's KV-cache group (groups: {found}); the draft needs one attention backend and "
+                f"the target's block size"
+            )
+        self._group = groups[0]
+
+    # ------------------------------------------------------------ the DraftRuntime API
+    @property
+    def live_requests(self) -> int:
+        return len(self._requests)
+
+    def sync_many(self, requests: Sequence[tuple[str, Sequence[int] | np.ndarray, int]]) -> list[torch.Tensor | None]:
+        results: list[torch.Tensor | None] = [None] * len(requests)
+        admitted, feeds = [], []
+        for k, (req_id, token_ids, reserve) in enumerate(requests):
+            index = self.runner.input_batch.req_id_to_index[req_id]
+            tokens = [int(t) for t in token_ids]
+            if not tokens:
+                raise ValueError(f"request {req_id!r} has no committed token to draft from")
+            if len(tokens) + reserve > self._capacity(index):
+                continue  # no slots for the tree: undrafted (sync_step still feeds its tokens)
+            request = self._request(req_id, index)
+            start = min(request.valid, len(tokens) - 1)  # the last token's logits are the answer
+            feeds.append(self._committed_feed(index, tokens, start))
+            request.valid = request.length = len(tokens)
+            request.depths, request.visible = [], []
+            admitted.append(k)
+        for k, logits in zip(admitted, self._forward(feeds, last_only=True)):
+            results[k] = logits[0]
+        return results
+
+    def extend_many(self, nodes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+        feeds = []
+        for req_id, tokens, parents in nodes:
+            request = self._requests[req_id]
+            first = len(request.depths)
+            if len(parents) != len(tokens):
+                raise ValueError(f"{len(tokens)} tree nodes but {len(parents)} parents")
+            slots, positions, visible = [], [], []
+            for i, parent in enumerate(int(p) for p in parents):
+                if not ROOT <= parent < first + i:
+                    raise ValueError(f"tree node {first + i} has parent {parent}: not an earlier node")
+                slot = request.length + len(request.depths)  # scratch: root + 1 + node index
+                request.depths.append(1 if parent == ROOT else request.depths[parent] + 1)
+                request.visible.append(([] if parent == ROOT else request.visible[parent]) + [slot])
+                slots.append(slot)
+                positions.append(request.length - 1 + request.depths[-1])
+                visible.append(request.visible[-1])
+            index = self.runner.input_batch.req_id_to_index[req_id]
+            feeds.append(
+                _Feed(index, [int(t) for t in tokens], positions, slots, slots[-1] + 1, visible, request.length)
+            )
+        return self._forward(feeds, last_only=False)
+
+    def remove(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._requests.pop(req_id, None)
+
+    # ------------------------------------------------------------ every step
+    def sync_step(self) -> None:
+        """Feed every scheduled request's committed tokens the draft lacks (no logits).
+
+        Runs after each step's sampling, drafting or not: a block the target
+        computed may serve another request's prefix hit from the next step on,
+        and must then hold the draft's K/V of the same tokens.
+        """
+        batch = self.runner.input_batch
+        feeds = []
+        for index, req_id in enumerate(batch.req_ids):
+            end = min(int(batch.num_tokens_no_spec[index]), self._capacity(index))
+            request = self._request(req_id, index)
+            if request.valid < end:
+                feeds.append(self._committed_feed(index, batch.token_ids_cpu[index, :end].tolist(), request.valid))
+                request.valid = end
+        if feeds:
+            self._forward(feeds, last_only=None)
+
+    # ------------------------------------------------------------ internals
+    def _request(self, req_id: str, index: int) -> _Request:
+        """The request's state; a new one trusts the draft K/V of its prefix-cache hit."""
+        request = self._requests.get(req_id)
+        if request is None:
+            computed = int(self.runner.input_batch.num_computed_tokens_cpu[index])
+            request = self._requests[req_id] = _Request(valid=computed)
+        return request
+
+    def _capacity(self, index: int) -> int:
+        """Slots the request's blocks hold now (the scheduler's reservation), at most ``max_model_len``."""
+        table = self.runner.input_batch.block_table[0]
+        allocated = int(table.num_blocks_per_row[index]) * table.block_size
+        return min(allocated, self.runner.vllm_config.model_config.max_model_len)
+
+    @staticmethod
+    def _committed_feed(index: int, tokens: list[int], start: int) -> _Feed:
+        span = list(range(start, len(tokens)))
+        return _Feed(index, tokens[start:], span, span, len(tokens))
+
+    @torch.inference_mode()
+    def _forward(self, feeds: list[_Feed], last_only: bool | None) -> list[torch.Tensor]:
+        """One draft forward over all feeds: logits at each feed's rows, its last row
+        only with ``last_only``, none with ``None`` (the K/V writes are the point)."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        if not feeds:
+            return []
+        if self._group is None:
+            raise RuntimeError("WorkerDraftRuntime.bind must run after the runner's initialize_kv_cache")
+        table = self.runner.input_batch.block_table[0]
+        block_size = table.block_size
+        rows = table.block_table.cpu[[f.batch_index for f in feeds]]  # [R, max blocks]
+        counts = [len(f.tokens) for f in feeds]
+        starts = np.concatenate([[0], np.cumsum(counts)])  # [R + 1]
+        slot_positions = [torch.tensor(f.slots, dtype=torch.int64) for f in feeds]
+        slots = torch.cat(
+            [
+                rows[r, s // block_size].to(torch.int64) * block_size + s % block_size
+                for r, s in enumerate(slot_positions)
+            ]
+        )  # [T]
+        query_start = torch.from_numpy(starts.astype(np.int32))
+        seq_lens = torch.tensor([f.seq_len for f in feeds], dtype=torch.int32)  # [R]
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start,
+            query_start_loc_cpu=query_start,
+            seq_lens=seq_lens,
+            num_reqs=len(feeds),
+            num_actual_tokens=int(starts[-1]),
+            max_query_len=max(counts),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=rows,
+            slot_mapping=slots,
+            causal=True,
+        )
+        assert self._group is not None
+        metadata = self._group.get_metadata_builder().build(0, common)
+        tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.int64)  # [T]
+        positions = torch.tensor([p for f in feeds for p in f.positions], dtype=torch.int64)  # [T]
+        with (
+            tree_step(self._tree_step(feeds, starts)),
+            set_forward_context(
+                {name: metadata for name in self.layers},
+                self.vllm_config,
+                num_tokens=int(starts[-1]),
+                slot_mapping={name: slots for name in self.layers},
+            ),
+        ):
+            hidden = self.model(input_ids=tokens, positions=positions)  # [T, hidden]
+        if last_only is None:
+            return []
+        if last_only:
+            hidden = hidden[torch.from_numpy(starts[1:] - 1)]  # [R, hidden]
+            counts = [1] * len(feeds)
+        return list(self._vocab_logits(self.model.compute_logits(hidden)).split(counts))
+
+    @staticmethod
+    def _tree_step(feeds: list[_Feed], starts: np.ndarray) -> cpu_attention.TreeStep | None:
+        """The ancestor-only mask for tree rows: each sees the committed context and its visible slots."""
+        trees = [(r, f) for r, f in enumerate(feeds) if f.visible is not None]
+        if not trees:
+            return None
+        num_rows = max(len(f.tokens) for _, f in trees)
+        num_keys = max(f.seq_len for _, f in trees)
+        query_rows = torch.zeros(len(trees), num_rows, dtype=torch.int64)  # [R, Qmax]
+        row_valid = torch.zeros(len(trees), num_rows, dtype=torch.bool)  # [R, Qmax]
+        key_mask = torch.zeros(len(trees), num_rows, num_keys, dtype=torch.bool)  # [R, Qmax, Kmax]
+        for t, (r, feed) in enumerate(trees):
+            n = len(feed.tokens)
+            query_rows[t, :n] = torch.arange(int(starts[r]), int(starts[r]) + n)
+            row_valid[t, :n] = True
+            key_mask[t, :n, : feed.context] = True
+            for i, visible in enumerate(feed.visible or ()):
+                key_mask[t, i, visible] = True
+        empty = torch.zeros(0, dtype=torch.int64)
+        return cpu_attention.TreeStep(
+            torch.tensor([r for r, _ in trees], dtype=torch.int64), query_rows, row_valid, key_mask, empty, empty
+        )
+
+    def _vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits as float32 over the target's vocabulary (-inf where the draft has no column)."""
+        logits = logits[:, : self.vocab_size].float()
+        missing = self.vocab_size - logits.shape[-1]
+        return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing else logits

@@ -1,0 +1,48 @@
+"""What a drafter needs from a draft model's runtime, whichever runs it.
+
+Two runtimes serve it: :mod:`vllm_specbeam.draft_runtime.hf` (a Hugging Face
+model with its own per-request caches, next to vLLM) and
+``vllm_specbeam.adapter.draft_model`` (the draft loaded by vLLM inside the
+worker, its K/V in vLLM's paged cache). Drafters are typed against this
+protocol so they run on either without knowing which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class DraftRuntime(Protocol):
+    """A draft model run for many requests at once, one forward per call."""
+
+    @property
+    def live_requests(self) -> int:
+        """Requests the runtime holds state for (freed by :meth:`remove`)."""
+        ...
+
+    def sync_many(self, requests: Sequence[tuple[str, Sequence[int] | np.ndarray, int]]) -> list[torch.Tensor | None]:
+        """For ``(req_id, committed tokens, reserve)`` triples: the draft's float32
+        logits ``[vocab_size]`` after each request's last committed token.
+
+        Drops the tree nodes of the previous round (the rollback). ``reserve``
+        tree nodes are about to be appended; ``None``: they do not fit, leave
+        the request undrafted.
+        """
+        ...
+
+    def extend_many(self, nodes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+        """For ``(req_id, tokens, parents)`` triples, one tree depth each: logits
+        ``[len(tokens), vocab_size]`` at the new nodes.
+
+        ``parents`` index the nodes appended since the last sync (in order) or
+        are ``-1`` for children of the last committed token.
+        """
+        ...
+
+    def remove(self, req_ids: Iterable[str]) -> None:
+        """Forget finished, aborted or preempted requests (unknown ids are ignored)."""
+        ...
