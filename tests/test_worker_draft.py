@@ -64,7 +64,7 @@ def _check(worker, draft: str) -> dict:
     context: dict[str, list[int]] = {}
     trees: dict[str, list[tuple[int, int]]] = {}
     worst = {"sync": 0.0, "extend": 0.0}
-    counts = {"sync": 0, "extend": 0, "branching_depths": 0}
+    counts = {"sync": 0, "extend": 0, "branching_depths": 0, "chain_depths": 0}
     for kind, req_id, tokens, parents, logits in worker.model_runner.draft_runtime.calls:
         if kind == "sync":
             context[req_id], trees[req_id] = tokens, []
@@ -77,6 +77,7 @@ def _check(worker, draft: str) -> dict:
             sequences = [context[req_id] + _path(trees[req_id], first + i) for i in range(len(tokens))]
             rows = logits
             counts["branching_depths"] += len(set(parents)) < len(parents)
+            counts["chain_depths"] += len(tokens) == 1 and parents[0] == first - 1 >= 0  # causal rows, no mask
         with torch.inference_mode():
             for sequence, row in zip(sequences, rows):
                 reference = model(torch.tensor([sequence])).logits[0, -1]
@@ -119,7 +120,8 @@ def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wid
     prompts = [make_prompts(10)[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
-    llm.generate(prompts + prompts[:2], [greedy] * 3 + [sampled] * 2)
+    chain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, extra_args={"max_width": 1})
+    llm.generate(prompts + prompts[:2] + prompts[1:2], [greedy] * 3 + [sampled] * 2 + [chain])
     # A later request sharing the longest prompt's first blocks starts from a prefix-cache
     # hit: the draft's K/V of those blocks come from the earlier request.
     hits = _counter(llm, "vllm:prefix_cache_hits")
@@ -129,6 +131,7 @@ def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wid
     stats, counts = result["stats"], result["counts"]
     assert stats["accepted"] > 0 and stats["nodes"] > stats["accepted"]  # acceptances and rejections
     assert counts["sync"] > 20 and counts["extend"] > 50 and counts["branching_depths"] > 0
+    assert counts["chain_depths"] > 10
     assert result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL, result["worst"]
 
     # One KV group for both models: a block holds both models' K/V of its 128 tokens.

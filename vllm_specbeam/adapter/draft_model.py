@@ -249,8 +249,19 @@ class WorkerDraftRuntime:
                 positions.append(request.length - 1 + request.depths[-1])
                 visible.append(request.visible[-1])
             index = self.runner.input_batch.req_id_to_index[req_id]
+            # A row that sees every scratch slot before its own is plain causal attention (a chain,
+            # e.g. max_width 1: node slots [L, L+1, L+2] at depths [1, 2, 3]): no tree mask needed.
+            causal = all(v == list(range(request.length, s + 1)) for v, s in zip(visible, slots))
             feeds.append(
-                _Feed(index, [int(t) for t in tokens], positions, slots, slots[-1] + 1, visible, request.length)
+                _Feed(
+                    index,
+                    [int(t) for t in tokens],
+                    positions,
+                    slots,
+                    slots[-1] + 1,
+                    None if causal and slots == list(range(slots[0], slots[-1] + 1)) else visible,
+                    request.length,
+                )
             )
         return self._forward(feeds, last_only=False)
 
