@@ -345,9 +345,10 @@ class DraftBeamSearch(DraftBeams):
         joint_scores = self.scores.unsqueeze(-1) + self.logp
         if self.banned is not None:
             joint_scores[:, self.banned] = float("-inf")
-        joint_scores = joint_scores.reshape(-1)
-        best = torch.topk(joint_scores, min(width, int(torch.isfinite(joint_scores).sum()))).indices
-        return best // vocab, best % vocab, joint_scores[best]
+        scores, best = torch.topk(joint_scores.reshape(-1), min(width, joint_scores.numel()))
+        finite = torch.isfinite(scores)  # fewer than ``width`` pairs left once -inf (banned) ones are dropped
+        scores, best = scores[finite], best[finite]
+        return best // vocab, best % vocab, scores
 
     def take(self, logits: torch.Tensor) -> None:
         self.logp = torch.log_softmax(logits, dim=-1)
