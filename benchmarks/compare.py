@@ -228,7 +228,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             engines.append(EngineSpec(name, name, "plugin", config, settings))
         if name in BEAM_METHODS:
             available_beam.append(name)
-        if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted or name in wanted):
+        if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted):
             status[SPEC_BEAM] = MethodStatus("plugin")
             beam_settings = [
                 Setting(f"w{w}", {"beam_width": w}, beam_width=w, speculative=True) for w in BEAM_GRID[args.sweep]

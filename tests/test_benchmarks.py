@@ -272,6 +272,14 @@ def test_plan_follows_plugin_methods(monkeypatch):
     )
     assert [e.id for e in engines] == [compare.SPEC_BEAM, "beam_search", "none"] and "dsbd" not in status
     assert engines[0].speculative_config["draft_dtype"] == "bfloat16"
+    # in-engine dsbd beside its chain (max_width 1 at draft_model's K): no beam search unless named
+    status, engines = compare.plan(
+        plan_args(draft="d", draft_path="/d", methods=["none", "draft_model", "dsbd", compare.DSBD_CHAIN])
+    )
+    by_id = {e.id: e for e in engines}
+    assert set(by_id) == {"draft_model-k3", "dsbd", compare.DSBD_CHAIN, "none"}
+    chain = by_id[compare.DSBD_CHAIN].speculative_config
+    assert chain["max_width"] == 1 and chain["num_speculative_tokens"] == chain["max_nodes"] == 3
     with pytest.raises(SystemExit, match="unknown method"):
         compare.plan(plan_args(methods=["nope"]))
 
