@@ -64,6 +64,15 @@ def make_prompts(count: int = 10, seed: int = 0) -> list[str]:
     return prompts
 
 
+def tree_path(nodes: list[tuple[int, int]], node: int) -> list[int]:
+    """Tokens from the root to ``node`` in a list of (token, parent) pairs (parent -1: the root)."""
+    tokens = []
+    while node != -1:
+        tokens.insert(0, nodes[node][0])
+        node = nodes[node][1]
+    return tokens
+
+
 class Engines:
     """Lazily started ``LLM`` objects keyed by their speculative config."""
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tree_path
 
 from vllm_specbeam.draft_runtime import hf as draft_model
 from vllm_specbeam.draft_runtime.hf import (
@@ -134,15 +135,6 @@ DEPTHS = [  # per depth: (tokens, parents) of each request; trees of different w
 ]
 
 
-def path(nodes: list[tuple[int, int]], node: int) -> list[int]:
-    """Tokens from the root to ``node`` in a list of (token, parent) pairs."""
-    tokens = []
-    while node != -1:
-        tokens.insert(0, nodes[node][0])
-        node = nodes[node][1]
-    return tokens
-
-
 def test_batched_steps_match_one_at_a_time_and_full_encoding(
     runtime: DraftModelRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -168,7 +160,7 @@ def test_batched_steps_match_one_at_a_time_and_full_encoding(
             first = len(trees[req_id])
             trees[req_id] += zip(tokens, parents)
             for i in range(len(tokens)):
-                reference = full_logits(runtime, STEP[req_id] + path(trees[req_id], first + i))
+                reference = full_logits(runtime, STEP[req_id] + tree_path(trees[req_id], first + i))
                 torch.testing.assert_close(logits[i], reference, atol=ATOL, rtol=0)
     for req_id in STEP:
         assert runtime.cached_tokens(req_id) == len(STEP[req_id]) + len(trees[req_id])

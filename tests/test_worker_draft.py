@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import KV_CACHE_BYTES, make_prompts
+from conftest import KV_CACHE_BYTES, make_prompts, tree_path
 
 #: float32, the CPU attention kernel against transformers' SDPA (docs/draft-runtime.md Q2: up to 2e-4)
 ATOL = 5e-4
@@ -74,7 +74,7 @@ def _check(worker, draft: str) -> dict:
         else:
             first = len(trees[req_id])
             trees[req_id] += zip(tokens, parents)
-            sequences = [context[req_id] + _path(trees[req_id], first + i) for i in range(len(tokens))]
+            sequences = [context[req_id] + tree_path(trees[req_id], first + i) for i in range(len(tokens))]
             rows = logits
             counts["branching_depths"] += len(set(parents)) < len(parents)
             counts["chain_depths"] += len(tokens) == 1 and parents[0] == first - 1 >= 0  # causal rows, no mask
@@ -84,14 +84,6 @@ def _check(worker, draft: str) -> dict:
                 worst[kind] = max(worst[kind], float((row - reference).abs().max()))
                 counts[kind] += 1
     return {"worst": worst, "counts": counts, "stats": dict(worker.model_runner.tree_stats)}
-
-
-def _path(nodes: list[tuple[int, int]], node: int) -> list[int]:
-    tokens = []
-    while node != -1:
-        tokens.insert(0, nodes[node][0])
-        node = nodes[node][1]
-    return tokens
 
 
 def _counter(llm, name: str) -> float:
