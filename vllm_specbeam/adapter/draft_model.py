@@ -64,15 +64,15 @@ def uses_worker_draft(config: SpecbeamConfig | None) -> bool:
 
 
 #: dsbd options of the Hugging Face runtime (draft_runtime/hf.py) that vLLM's own cache and placement replace
-_HF_RUNTIME_OPTIONS = {"draft_device": "auto", "max_cache_tokens_per_request": 0, "max_cache_tokens_total": 0}
+_HF_RUNTIME_OPTIONS = ("draft_device", "max_cache_tokens_per_request", "max_cache_tokens_total")
 
 
 def check_worker_draft_options(config: SpecbeamConfig) -> None:
     """Refuse, at start-up, options the in-worker draft cannot honour: its K/V
     share the target's blocks (vLLM sizes and frees them) on the target's device."""
-    options = config.options
-    for name, default in _HF_RUNTIME_OPTIONS.items():
-        if name in options and options[name] != default:
+    options, specs = config.options, METHODS[config.method].options()
+    for name in _HF_RUNTIME_OPTIONS:
+        if name in options and options[name] != specs[name].default:
             raise SpecbeamConfigError(
                 f"{config.method}: {name}={options[name]!r} applies to the Hugging Face draft runtime only; on "
                 f"vLLM's CPU backend the draft runs inside vLLM's worker, on the target's device with its K/V in "
