@@ -71,13 +71,22 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: Sweep grids per level. Tree methods: (depth, node budget); chain methods: K.
 TREE_GRID = {"none": [], "quick": [(3, 8), (5, 16)], "full": [(2, 4), (3, 8), (4, 16), (6, 24), (8, 32)]}
 CHAIN_GRID = {"none": [4], "quick": [4], "full": [2, 4, 6]}
-DRAFT_GRID = {"none": [3], "quick": [3], "full": [3, 5]}
+DRAFT_GRID = {"none": [3], "quick": [3, 5], "full": [3, 5]}
 BEAM_GRID = {"none": [4], "quick": [2, 4], "full": [2, 4]}
 
 #: ``dsbd`` at ``max_width: 1``: a chain from the same draft as vLLM's
 #: ``draft_model``, at the same K (``DRAFT_GRID``), the runtimes compared on
 #: the same work. Its own row, so the adaptive width's best stays apart.
 DSBD_CHAIN = "dsbd-chain"
+
+#: ``mcsd``'s settings: each ``k_config`` with its default stopping rule (the
+#: draft's confidence) and with none (``no-stop``: always the full depth),
+#: on one engine at depth ``MCSD_DEPTH``. ``[1]`` is the target-initialised
+#: shape (see methods/mcsd/drafter.py).
+MCSD_GRID = {"none": [[2, 2]], "quick": [[2, 2], [2], [1]], "full": [[4, 2, 2], [2, 2], [2], [1]]}
+MCSD_DEPTH = 6
+#: ``mcsd`` with the ``--stop-model`` (``vllm-specbeam mcsd train``), as its own row.
+MCSD_STOP = "mcsd+stop"
 
 #: ``aded`` started from the ``--trigram`` matrix, reported next to ``aded``
 #: without a corpus.
@@ -163,6 +172,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         "beam_search",
         SPEC_BEAM,
         DSBD_CHAIN,
+        MCSD_STOP,
         *plugin_methods(),
     }
     if unknown:
@@ -223,9 +233,16 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             )
             for d, n in grid
         ]
+        if name == "mcsd":
+            config, settings = mcsd_plan(config, args.sweep)
         if not extra_rows_only:
             status[name] = MethodStatus("plugin")
             engines.append(EngineSpec(name, name, "plugin", config, settings))
+        if name == "mcsd" and args.stop_model:
+            status[MCSD_STOP] = MethodStatus("plugin")
+            stop_settings = [s for s in settings if "stop_threshold" not in (s.extra_args or {})]
+            stop_config = {**config, "stop_model": args.stop_model_path}
+            engines.append(EngineSpec("mcsd-stop", MCSD_STOP, "plugin", stop_config, stop_settings))
         if name in BEAM_METHODS:
             available_beam.append(name)
         if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted):
@@ -277,6 +294,26 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
     for engine in engines:
         status[engine.method].engines.append(engine.id)
     return status, engines
+
+
+def mcsd_plan(config: dict[str, Any], sweep: str) -> tuple[dict[str, Any], list[Setting]]:
+    """The ``mcsd`` engine (sized for the grid's largest tree) and its settings (see ``MCSD_GRID``)."""
+    from vllm_specbeam.methods.mcsd.maths import level_sizes
+
+    grid = MCSD_GRID[sweep]
+    nodes = max(sum(level_sizes(k, MCSD_DEPTH)) for k in grid)
+    settings = []
+    for k_config in grid:
+        label = "k" + ",".join(map(str, k_config))
+        settings.append(Setting(label, {"k_config": k_config}, extra_args={"k_config": k_config}))
+        settings.append(
+            Setting(
+                f"{label}/no-stop",
+                {"k_config": k_config, "stop_threshold": 0.0},
+                extra_args={"k_config": k_config, "stop_threshold": 0.0},
+            )
+        )
+    return {**config, "num_speculative_tokens": MCSD_DEPTH, "max_nodes": nodes, "k_config": grid[0]}, settings
 
 
 SUFFIX_UNAVAILABLE = (
@@ -619,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.model_path, args.draft_path = resolve_model(args.model), resolve_model(args.draft)
     args.trigram_path = str(Path(args.trigram).resolve()) if args.trigram else None
+    args.stop_model_path = str(Path(args.stop_model).resolve()) if args.stop_model else None
     prompts = load_prompts(args.prompts, args.num_prompts)
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -712,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
             "execute_code": args.execute_code,
             "ignore_eos": True,
             "trigram": args.trigram_path,
+            "stop_model": args.stop_model_path,
             "plugin_sweep": "per-request extra_args on one engine started at the grid's maximum depth and nodes",
         },
         "environment": environment(args.model_path, args.draft_path),
@@ -741,7 +780,11 @@ def main(argv: list[str] | None = None) -> int:
             indent=1,
         )
     )
-    table = metrics.offline_table(result["runs"]) + metrics.beam_table(result["runs"])
+    table = (
+        metrics.offline_table(result["runs"])
+        + metrics.beam_table(result["runs"])
+        + metrics.settings_table(result["runs"])
+    )
     (out / "table.md").write_text(table)
     title = (
         f"{Path(args.model).name} · {args.prompts} x{len(prompts)} · {args.max_tokens} tokens · "
@@ -811,6 +854,8 @@ def assemble(
                     "accepted_per_step": figures.accepted_per_step,
                     "acceptance_rate": figures.acceptance_rate,
                     "mean_width": metrics.ratio(counters.get("tree_beam_width_sum"), counters.get("tree_beam_depths")),
+                    "mean_depth": metrics.ratio(counters.get("tree_depth_sum"), counters.get("tree_trees")),
+                    "draft_forwards_per_token": metrics.ratio(counters.get("tree_draft_forwards"), output_tokens),
                     "steps_per_output_token": figures.steps_per_output_token,
                     "draft_time_share": draft_seconds / sum(record["wall_s"]) if draft_seconds is not None else None,
                     "peak_rss_mib": rss[engine.id],
@@ -858,6 +903,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--trigram",
         default=None,
         help=f"also run aded from this tri-gram matrix (vllm-specbeam trigram build), reported as {ADED_CORPUS!r}",
+    )
+    parser.add_argument(
+        "--stop-model",
+        default=None,
+        help=f"also run mcsd with this stop model (vllm-specbeam mcsd train), reported as {MCSD_STOP!r}",
     )
     parser.add_argument("--prompts", default="humaneval", help=f"{' | '.join(BUILTIN)} | path to JSONL with 'prompt'")
     parser.add_argument("--num-prompts", type=int, default=8)

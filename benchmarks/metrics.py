@@ -194,6 +194,8 @@ _RUN = {
         "accepted_per_step": _NUM,
         "acceptance_rate": _NUM,
         "mean_width": _NUM,
+        "mean_depth": _NUM,
+        "draft_forwards_per_token": _NUM,
         "steps_per_output_token": _NUM,
         "draft_time_share": _NUM,
         "peak_rss_mib": _NUM,
@@ -337,6 +339,34 @@ BEAM_COLUMNS = (
     ("loglik/token", "mean_loglik_per_token", 3),
     ("same beams as vLLM", "exact_match", 2),
 )
+
+
+#: (title, key, digits) of the settings table.
+SETTINGS_COLUMNS = (
+    ("batch", "batch_size", 0),
+    ("temp", "temperature", 1),
+    ("method", "method", 0),
+    ("setting", "setting_label", 0),
+    ("tok/s (median)", "tokens_per_s", 1),
+    ("speedup", "speedup", 2),
+    ("accepted/step", "accepted_per_step", 2),
+    ("mean depth", "mean_depth", 2),
+    ("draft forwards/token", "draft_forwards_per_token", 2),
+    ("exact match", "exact_match", 2),
+)
+
+
+def settings_table(runs: Sequence[Mapping[str, Any]]) -> str:
+    """Every setting of the methods that ran several (ablations: one engine,
+    per-request settings); empty when none did."""
+    counts: dict[str, set[str]] = {}
+    for r in runs:
+        counts.setdefault(r["method"], set()).add(r["setting_label"])
+    rows = [r for r in runs if len(counts[r["method"]]) > 1]
+    if not rows:
+        return ""
+    rows.sort(key=lambda r: (r["temperature"], r["batch_size"], r["method"], -r["tokens_per_s"]))
+    return "\nEvery setting of the methods that swept several:\n\n" + markdown_table(rows, SETTINGS_COLUMNS)
 
 
 def beam_table(runs: Sequence[Mapping[str, Any]]) -> str:

@@ -225,6 +225,8 @@ def plan_args(**kwargs) -> argparse.Namespace:
         "sweep": "quick",
         "trigram": None,
         "trigram_path": None,
+        "stop_model": None,
+        "stop_model_path": None,
         "draft_dtype": "auto",
     }
     return argparse.Namespace(**{**defaults, **kwargs})
@@ -277,9 +279,13 @@ def test_plan_follows_plugin_methods(monkeypatch):
         plan_args(draft="d", draft_path="/d", methods=["none", "draft_model", "dsbd", compare.DSBD_CHAIN])
     )
     by_id = {e.id: e for e in engines}
-    assert set(by_id) == {"draft_model-k3", "dsbd", compare.DSBD_CHAIN, "none"}
+    ks = compare.DRAFT_GRID["quick"]
+    assert set(by_id) == {*(f"draft_model-k{k}" for k in ks), "dsbd", compare.DSBD_CHAIN, "none"}
     chain = by_id[compare.DSBD_CHAIN].speculative_config
-    assert chain["max_width"] == 1 and chain["num_speculative_tokens"] == chain["max_nodes"] == 3
+    assert chain["max_width"] == 1 and chain["num_speculative_tokens"] == chain["max_nodes"] == max(ks)
+    assert [s.extra_args for s in by_id[compare.DSBD_CHAIN].settings] == [
+        {"num_speculative_tokens": k, "max_nodes": k} for k in ks
+    ]
     with pytest.raises(SystemExit, match="unknown method"):
         compare.plan(plan_args(methods=["nope"]))
 
@@ -294,6 +300,30 @@ def test_plan_runs_aded_with_and_without_a_corpus():
     corpus = by_id["aded-corpus"]
     assert corpus.method == compare.ADED_CORPUS and corpus.speculative_config["trigram"] == "/m"
     assert corpus.speculative_config["method"] == "aded" and corpus.settings == by_id["aded"].settings
+
+
+def test_plan_runs_mcsd_settings_on_one_engine_and_the_stop_model_apart():
+    from vllm_specbeam.methods.mcsd.drafter import McsdDrafter
+    from vllm_specbeam.methods.mcsd.maths import level_sizes
+
+    status, engines = compare.plan(plan_args(draft="d", draft_path="/d", methods=["none", "mcsd"]))
+    by_id = {e.id: e for e in engines}
+    assert compare.MCSD_STOP not in status and set(by_id) == {"mcsd", "none"}
+    config = by_id["mcsd"].speculative_config
+    grid = compare.MCSD_GRID["quick"]
+    assert config["max_nodes"] == max(sum(level_sizes(k, compare.MCSD_DEPTH)) for k in grid)
+    # every setting is a valid request of that engine: with and without the stopping rule
+    labels = [s.label for s in by_id["mcsd"].settings]
+    assert labels == [f"k{','.join(map(str, k))}{tail}" for k in grid for tail in ("", "/no-stop")]
+    for setting in by_id["mcsd"].settings:
+        options = {name: option.default for name, option in McsdDrafter.OPTIONS.items()}
+        McsdDrafter.check_options({**options, **config, **setting.extra_args})
+    status, engines = compare.plan(
+        plan_args(draft="d", draft_path="/d", methods=["none", "mcsd"], stop_model="s", stop_model_path="/s")
+    )
+    stop = {e.id: e for e in engines}["mcsd-stop"]
+    assert stop.method == compare.MCSD_STOP and stop.speculative_config == {**config, "stop_model": "/s"}
+    assert all("stop_threshold" not in s.extra_args for s in stop.settings)
 
 
 # ------------------------------------------------------------ end to end

@@ -17,7 +17,8 @@ from test_draft_model import count_forwards
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.core.verifiers.greedy import GreedyTreeVerifier
-from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter, level_widths, sampling_probs
+from vllm_specbeam.draft_runtime.drafter import sampling_probs
+from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter, level_widths
 from vllm_specbeam.methods.dsbd.maths import (
     BeamForest,
     acceptance_rates,

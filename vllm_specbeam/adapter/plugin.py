@@ -124,7 +124,7 @@ def _speculative_config(stock: Callable[..., SpeculativeConfig | None]) -> Calla
         from vllm_specbeam.adapter import draft_model
 
         patches.raise_problems()
-        config = parse(spec, target_tokenizer=self.tokenizer or self.model)
+        config = parse(spec, target_tokenizer=self.tokenizer or self.model, target_model=self.model)
         configure_engine(self, target_parallel_config)
         if draft_model.uses_worker_draft(config):
             draft_model.check_worker_draft_options(config)

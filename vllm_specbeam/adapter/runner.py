@@ -167,8 +167,12 @@ class TreeCounts:
     accepted: int = 0
     #: accepted nodes that are not their parent's first child (a chain would have missed them)
     accepted_off_first_branch: int = 0
+    #: the verified trees' depths, summed (mean depth drafted = depth_sum / trees)
+    depth_sum: int = 0
     kv_moves: int = 0
     draft_seconds: float = 0.0
+    #: forwards of an in-worker draft model (drafting and catching up on committed tokens)
+    draft_forwards: int = 0
     preempted: int = 0
     #: sampled single-chain drafts verified as a block
     block_verified: int = 0
@@ -517,6 +521,7 @@ class TreeRunnerMixin:
         counts = self.tree_counts
         counts.trees += 1
         counts.nodes += tree.num_nodes
+        counts.depth_sum += tree.max_depth
         counts.accepted += int(path.size)
         first_children = {int(p): int(np.argmax(tree.parents == p)) for p in tree.parents[path]}
         counts.accepted_off_first_branch += sum(first_children[int(tree.parents[n])] != int(n) for n in path)

@@ -30,7 +30,19 @@ def _check_v1_runner(worker: Worker) -> None:
         )
 
 
-class TreeCPUWorker(CPUWorker):
+class _ByName:
+    """Worker methods ``LLM.collective_rpc`` calls by name (no pickled function,
+    so no ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
+
+    model_runner: GPUModelRunner
+
+    def specbeam_take_stop_data(self) -> dict[str, list]:
+        """``mcsd``'s labelled draft rows, for ``vllm-specbeam mcsd train`` (plain lists for the RPC)."""
+        data = self.model_runner.tree_drafter.take_collected()  # type: ignore[attr-defined]
+        return {"features": data.features.tolist(), "labels": data.labels.tolist(), "depths": data.depths.tolist()}
+
+
+class TreeCPUWorker(_ByName, CPUWorker):
     """vLLM's CPU worker with the tree runner."""
 
     @override
@@ -46,7 +58,7 @@ class TreeCPUWorker(CPUWorker):
             super().init_device()
 
 
-class TreeGPUWorker(Worker):
+class TreeGPUWorker(_ByName, Worker):
     """vLLM's GPU worker with the tree runner."""
 
     @override

@@ -116,7 +116,7 @@ METHODS: dict[str, Method] = {
         sampling_verifier="vllm_specbeam.methods.dsbd.verifier:DsbdVerifier",
         chain_verifier=None,
     ),
-    "mcsd": Method(None, needs_draft_model=True, issue="multi-candidate speculative decoding"),
+    "mcsd": Method("vllm_specbeam.methods.mcsd.drafter:McsdDrafter", needs_draft_model=True),
     "mjsd": Method(None, needs_draft_model=True, issue="multi-token joint speculative decoding"),
     "aded": Method("vllm_specbeam.methods.aded.drafter:AdedDrafter"),
 }
@@ -185,12 +185,16 @@ def is_plugin_method(speculative_config: Mapping[str, Any] | None) -> bool:
     return speculative_config.get("method") in METHODS
 
 
-def parse(speculative_config: Mapping[str, Any], target_tokenizer: str | None = None) -> SpecbeamConfig:
+def parse(
+    speculative_config: Mapping[str, Any], target_tokenizer: str | None = None, target_model: str | None = None
+) -> SpecbeamConfig:
     """Validate a user's speculative config for one of the plugin's methods.
 
     ``target_tokenizer`` (the target model's tokenizer name or path) fills the
-    ``tokenizer`` option of drafters that check vocabularies, unless the user
-    set it, so those checks run here, before the engine starts.
+    ``tokenizer`` option of drafters that check vocabularies, and
+    ``target_model`` the ``target_model`` option of those that check files
+    trained for a target, unless the user set them, so those checks run
+    here, before the engine starts.
     """
     user = {k.replace("-", "_"): v for k, v in speculative_config.items()}
     name = user.pop("method")
@@ -220,8 +224,9 @@ def parse(speculative_config: Mapping[str, Any], target_tokenizer: str | None = 
             f"{sorted([*VLLM_KEYS, *specs]) if method.needs_draft_model else sorted(['method', *specs])}"
         )
     options = {key: spec.check(key, user.get(key, spec.default)) for key, spec in specs.items()}
-    if "tokenizer" in options and not options["tokenizer"] and target_tokenizer:
-        options["tokenizer"] = target_tokenizer
+    for filled, value in (("tokenizer", target_tokenizer), ("target_model", target_model)):
+        if filled in options and not options[filled] and value:
+            options[filled] = value
     if "draft_model" in options and draft_model:
         options["draft_model"] = draft_model
     return SpecbeamConfig(name, method.check(options, startup=True), draft_model)

@@ -178,6 +178,20 @@ class DraftTree:
             node = int(self.parents[node])
         return path[::-1]
 
+    def with_tokens(self, tokens: np.ndarray, draft_probs: np.ndarray | None = None) -> DraftTree:
+        """A tree shaped like this one's first ``len(tokens)`` nodes, holding ``tokens``.
+
+        Its depths and ancestor mask are slices of this tree's, so a drafter
+        whose trees are all prefixes of one largest shape builds them once.
+        Example: the shape with parents ``[-1, -1, 0, 1]`` and tokens
+        ``[7, 9]`` give parents ``[-1, -1]`` and the mask's top-left 3 x 3.
+        """
+        n = len(tokens)
+        tree = DraftTree(tokens, self.parents[:n], draft_probs)
+        tree.__dict__["depths"] = self.depths[:n]  # the cached properties, precomputed
+        tree.__dict__["ancestor_mask"] = self.ancestor_mask[: n + 1, : n + 1]
+        return tree
+
     def truncate(self, num_nodes: int) -> DraftTree:
         """The first ``num_nodes`` nodes (still a tree: order is topological)."""
         probs = None if self.draft_probs is None else self.draft_probs[:num_nodes]

@@ -19,45 +19,33 @@ Greedy requests (temperature 0 and no ``draft_temperature``) run beam
 *search* instead: the ``max_width`` best pairs of the joint log-score, all
 distinct, without draft rows (the greedy verifier reads tokens only).
 
-Draft randomness comes from one generator per drafter, seeded once: drafts
-must be fresh draws for each round, never a function of the context, or
-repeated runs of one prompt would all see the same drafts and the output law
-would be the target's conditioned on them. Draws are taken depth by depth,
-requests in the order given, so a seed fixes them all.
+Draws come from the drafter's one generator (see
+:class:`~vllm_specbeam.draft_runtime.drafter.DraftModelDrafter`), taken depth
+by depth, requests in the order given, so a seed fixes them all.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from vllm_specbeam.core.config import Option, SpecbeamConfigError
-from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
+from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.draft_runtime.base import DraftRuntime
-from vllm_specbeam.draft_runtime.hf import DraftModelError, DraftModelRuntime, check_vocabularies, placement
+from vllm_specbeam.draft_runtime.drafter import (
+    DRAFT_MODEL_OPTIONS,
+    GREEDY_EPS,
+    DraftModelDrafter,
+    draft_temperature,
+    sampling_probs,
+)
+from vllm_specbeam.draft_runtime.hf import DraftModelRuntime, placement
 from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
-
-GREEDY_EPS = 1e-5  # vLLM's sampler treats temperatures below this as greedy
-
-
-def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Per-row next-token probabilities after temperature, top-k and top-p (as vLLM orders them)."""
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p  # keep the smallest prefix reaching top_p
-        probs = probs.masked_fill(drop.scatter(-1, order, drop), 0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
 
 
 def level_widths(depth: int, max_width: int, max_nodes: int) -> list[int]:
@@ -68,52 +56,15 @@ def level_widths(depth: int, max_width: int, max_nodes: int) -> list[int]:
     return widths
 
 
-def check_draft_tokenizer(draft_model: str, target_tokenizer: str) -> None:
-    """Refuse a missing draft model or one whose vocabulary differs from the target's."""
-    from transformers import AutoTokenizer
-
-    try:
-        draft = AutoTokenizer.from_pretrained(draft_model)
-    except (OSError, ValueError) as error:
-        raise SpecbeamConfigError(
-            f"cannot load the draft model's tokenizer from {draft_model!r} ({error}); "
-            f'pass a local model directory or a hub name as "model" in the speculative config'
-        ) from error
-    target = AutoTokenizer.from_pretrained(target_tokenizer)
-    try:
-        check_vocabularies(draft_model, target_tokenizer, draft.get_vocab(), target.get_vocab())
-    except DraftModelError as error:
-        raise SpecbeamConfigError(str(error)) from error
-
-
-class DsbdDrafter(TreeDrafter):
+class DsbdDrafter(DraftModelDrafter):
     """Beam-sampling forests from a draft model (see the module docstring)."""
 
     OPTIONS: ClassVar[dict[str, Option]] = {
-        "draft_model": Option(
-            "",
-            'directory or hub name of the draft model; filled in from the speculative config\'s "model"',
-            per_request=False,
-        ),
-        "tokenizer": Option(
-            "",
-            "the target's tokenizer (name or path), checked to tokenise like the draft; "
-            "filled in from the target model",
-            per_request=False,
-        ),
+        **DRAFT_MODEL_OPTIONS,
         "min_width": Option(1, "fewest beams a depth keeps", 1, 32),
         "max_width": Option(4, "pairs drafted per depth: the most beams a depth can keep", 1, 32),
         "width_threshold": Option(
             0.7, "tau_w: a depth keeps the most beams n it accepts with probability >= tau_w", 0.0, 1.0
-        ),
-        "top_k": Option(0, "draft top-k per beam (0 = off)", 0, 1 << 20),
-        "top_p": Option(1.0, "draft top-p per beam (1 = off)", 0.0, 1.0),
-        "draft_temperature": Option(0.0, "draft temperature (0 = the request's)", 0.0, 100.0),
-        "draft_dtype": Option(
-            "auto",
-            "draft weights' dtype (auto: the target's; checkpoint: the checkpoint's)",
-            choices=("auto", "checkpoint", "float32", "bfloat16", "float16"),
-            per_request=False,
         ),
         "draft_device": Option("auto", "device of the draft model (auto: the target's)", per_request=False),
         "max_cache_tokens_per_request": Option(
@@ -131,7 +82,6 @@ class DsbdDrafter(TreeDrafter):
             1 << 30,
             per_request=False,
         ),
-        "seed": Option(0, "seed of the draft sampling generator", 0, 2**31 - 1, per_request=False),
     }
 
     @staticmethod
@@ -140,17 +90,6 @@ class DsbdDrafter(TreeDrafter):
             raise SpecbeamConfigError(
                 f"dsbd: min_width={options['min_width']} exceeds max_width={options['max_width']}"
             )
-
-    @staticmethod
-    def check_startup(options: Mapping[str, Any]) -> None:
-        """The draft model's tokenizer loads and tokenises exactly like the target's."""
-        if options["draft_model"] and options["tokenizer"]:
-            check_draft_tokenizer(options["draft_model"], options["tokenizer"])
-
-    def __init__(self, options: Mapping[str, Any]) -> None:
-        super().__init__(options)
-        self.runtime: DraftRuntime | None = None
-        self.generator = torch.Generator().manual_seed(self.options.get("seed", 0))
 
     def load_model(self, target_model: Any) -> None:
         path = self.options.get("draft_model", "")
@@ -174,36 +113,23 @@ class DsbdDrafter(TreeDrafter):
             max_total_tokens=self.options.get("max_cache_tokens_total", 0),
         )
 
-    def use_runtime(self, runtime: DraftRuntime) -> None:
-        """Draft with a draft model the engine loaded itself (instead of :meth:`load_model`)."""
-        self.runtime = runtime
-
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        if self.runtime is None:
-            raise RuntimeError("DsbdDrafter.load_model must run before propose")
+        runtime = self.ready_runtime()
         widths = [
             level_widths(r.options["num_speculative_tokens"], r.options["max_width"], r.options["max_nodes"])
             for r in requests
         ]
-        synced = self.runtime.sync_many([(r.req_id, r.token_ids, sum(w[:-1])) for r, w in zip(requests, widths)])
+        synced = runtime.sync_many([(r.req_id, r.token_ids, sum(w[:-1])) for r, w in zip(requests, widths)])
         beams = [
             None if logits is None or not w else _start(r, w, logits) for r, w, logits in zip(requests, widths, synced)
         ]
-        draft_beams(self.runtime, [b for b in beams if b is not None], self.generator)
+        draft_beams(runtime, [b for b in beams if b is not None], self.generator)
         return [DraftTree.empty() if b is None else b.forest() for b in beams]
-
-    @property
-    def live_requests(self) -> int:
-        return 0 if self.runtime is None else self.runtime.live_requests
-
-    def remove_requests(self, req_ids: Iterable[str]) -> None:
-        if self.runtime is not None:
-            self.runtime.remove(req_ids)
 
 
 def _start(request: DraftRequest, widths: list[int], logits: torch.Tensor) -> DraftBeams:
     """The request's beams: sampled, or searched for greedy requests (see the module docstring)."""
-    temperature = request.options["draft_temperature"] or request.temperature
+    temperature = draft_temperature(request.options, request.temperature)
     if temperature < GREEDY_EPS:
         return DraftBeamSearch(request.req_id, widths, logits.unsqueeze(0))
     return _BeamSample(request.req_id, widths, logits, temperature, request.options)

@@ -1,0 +1,102 @@
+"""``vllm-specbeam mcsd train``: a stop model for one target/draft pair.
+
+The pair runs in a vLLM engine with ``mcsd`` drafting plain chains to the
+full depth (``k_config: [1]``, no stopping) and ``collect`` on, greedily, on
+the given prompts; the drafter records every draft row it scores and labels
+it by whether the target committed the draft's top token there (see
+:mod:`vllm_specbeam.methods.mcsd.drafter`). So the stop model learns from the
+very features, draft and runtime it will serve with. Training and the file
+format: :mod:`vllm_specbeam.methods.mcsd.stopping`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+
+from vllm_specbeam.methods.mcsd import stopping
+
+
+def read_prompts(path: Path, skip: int, limit: int) -> list[str]:
+    """Prompts from a JSONL file (``.gz`` too) with a ``prompt`` field per line, or a text file (one per line)."""
+    if not path.is_file():
+        raise SystemExit(f"--prompts {path}: no such file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as file:
+        lines = [line for line in file if line.strip()]
+    if ".jsonl" in path.suffixes:
+        records = [json.loads(line) for line in lines]
+        bad = [i + 1 for i, r in enumerate(records) if not isinstance(r.get("prompt"), str)]
+        if bad:
+            raise SystemExit(f"--prompts {path}: lines {bad[:5]} have no string 'prompt' field")
+        prompts = [r["prompt"] for r in records]
+    else:
+        prompts = [line.rstrip("\n") for line in lines]
+    prompts = prompts[skip:][: limit or None]
+    if not prompts:
+        raise SystemExit(f"--prompts {path}: no prompts left after --skip {skip} --limit {limit}")
+    return prompts
+
+
+def collect(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    from vllm import LLM, SamplingParams
+
+    spec = {
+        "method": "mcsd",
+        "model": args.draft,
+        "k_config": [1],
+        "num_speculative_tokens": args.depth,
+        "max_nodes": args.depth,
+        "stop_threshold": 0.0,
+        "collect": True,
+    }
+    llm = LLM(
+        model=args.target, speculative_config=spec, dtype=args.dtype, seed=args.seed, **json.loads(args.engine_args)
+    )
+    prompts = read_prompts(Path(args.prompts), args.skip, args.limit)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
+    data = {k: np.asarray(v) for k, v in llm.collective_rpc("specbeam_take_stop_data")[0].items()}
+    llm.llm_engine.engine_core.shutdown()
+    return data
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-specbeam mcsd train",
+        description="Train mcsd's stop model for one target/draft pair; pass the output directory as "
+        '"stop_model" in the speculative config.',
+    )
+    parser.add_argument("--target", required=True, help="target model (name or path), as served")
+    parser.add_argument("--draft", required=True, help="draft model (name or path), as served")
+    parser.add_argument("--prompts", required=True, help="JSONL (.gz) with a 'prompt' field per line, or one per line")
+    parser.add_argument("--out", required=True, help="directory to write stop_model.json to")
+    parser.add_argument("--skip", type=int, default=0, help="skip the file's first prompts")
+    parser.add_argument("--limit", type=int, default=0, help="use at most this many prompts (0: all)")
+    parser.add_argument("--depth", type=int, default=6, help="draft depth while collecting")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype, as served")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-args", default="{}", help="more LLM(...) arguments as JSON, e.g. '{\"max_model_len\": 2048}'"
+    )
+    args = parser.parse_args(argv)
+
+    data = collect(args)
+    depths = data["depths"]
+    print(f"collected {len(depths)} draft rows from {args.target} / {args.draft}")
+    for depth in np.unique(depths):
+        labels = data["labels"][depths == depth]
+        print(f"  depth {depth}: {len(labels)} rows, target agreed with the draft's top token on {labels.mean():.1%}")
+    model, report = stopping.train_stop_model(data["features"], data["labels"], epochs=args.epochs, seed=args.seed)
+    path = stopping.save_stop_model(args.out, model, stopping.PairIdentity.of(args.target, args.draft), report)
+    print(
+        f"held-out accuracy {report.heldout_accuracy:.3f} on {report.heldout_rows} rows "
+        f"(always guessing the majority: {max(report.positive_rate, 1 - report.positive_rate):.3f}); "
+        f"wrote {path} ({path.stat().st_size} bytes)"
+    )
+    return 0

@@ -1,0 +1,297 @@
+"""MCSD drafting: multi-candidate trees with dynamic depth.
+
+Per request and step the draft grows the ``k_config`` tree level by level
+(:mod:`vllm_specbeam.methods.mcsd.maths`): each frontier node gets its
+``k`` best tokens (greedy) or ``k`` draws without replacement from ``q``
+(sampling), and all requests' new levels go through the draft model in one
+forward (:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.extend_many`).
+
+**Dynamic depth.** Before a request's next level is added, a stopping rule
+scores each frontier node's ``q`` row: the estimated probability that the
+token the draft proposes from it is accepted. Drafting goes on while some
+frontier node scores at least ``stop_threshold`` (Lu et al. 2024). The score
+is a trained stop model's (:mod:`vllm_specbeam.methods.mcsd.stopping`,
+``vllm-specbeam mcsd train``) or, without one, the draft's own top-1
+probability. The first level is always drafted.
+
+**Target-initialised candidates.** Lu et al. take the first level from the
+target's distribution at the root. Here that level is already in hand: each
+step commits one token drawn from the target there (the bonus or correction
+token), and drafting starts below it. More target candidates at that
+position would never be used losslessly: at temperature 0 only the argmax
+can be committed, and when sampling, the multi-draft rule accepts the first
+candidate drawn from ``p`` itself with probability ``min(1, p/p) = 1``, so
+the others are never tried. The paper's ``[W, 1, 1, ...]`` shape is
+therefore ``k_config: [1]`` here.
+
+**Stop-model data.** With ``collect`` on, every ``q`` row the drafter scores
+is recorded with its features and, once the next step shows which tokens
+were committed, labelled "the target committed the draft's top token there"
+(rows off the committed path are dropped: their children were never tested).
+``vllm-specbeam mcsd train`` reads them through :meth:`McsdDrafter.take_collected`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from vllm_specbeam.core.config import Option, SpecbeamConfigError
+from vllm_specbeam.core.drafter import DraftRequest
+from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.draft_runtime.drafter import (
+    DRAFT_MODEL_OPTIONS,
+    GREEDY_EPS,
+    DraftModelDrafter,
+    draft_temperature,
+    sampling_probs,
+)
+from vllm_specbeam.methods.mcsd import stopping
+from vllm_specbeam.methods.mcsd.maths import (
+    best_candidates,
+    largest_tree,
+    level_sizes,
+    level_widths,
+    sampled_candidates,
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(k_config: tuple[int, ...], depth: int) -> DraftTree:
+    """The largest tree of a configuration, its mask built once (:meth:`DraftTree.with_tokens`)."""
+    shape = largest_tree(k_config, depth)
+    shape.ancestor_mask  # noqa: B018 - computed here, sliced by every step's trees
+    return shape
+
+
+@dataclasses.dataclass
+class StopData:
+    """Scored ``q`` rows with their labels, for training a stop model."""
+
+    features: np.ndarray  # [n, stopping.NUM_FEATURES]
+    labels: np.ndarray  # [n]: 1.0 when the target committed the row's top token
+    depths: np.ndarray  # [n]: the depth of the token drawn from the row (1 = below the root)
+
+
+@dataclasses.dataclass
+class _Scored:
+    """A request's ``q`` rows scored this step, labelled at its next step."""
+
+    length: int  # committed tokens when drafted
+    paths: list[tuple[int, ...]]  # the tokens from the root to each row's node
+    top: list[int]  # each row's most likely token
+    features: torch.Tensor  # [rows, stopping.NUM_FEATURES]
+
+
+class _Growth:
+    """One request's tree during a step, one level at a time."""
+
+    def __init__(self, request: DraftRequest, widths: list[int], root_logits: torch.Tensor) -> None:
+        self.req_id = request.req_id
+        self.widths = widths
+        temperature = draft_temperature(request.options, request.temperature)
+        self.temperature = temperature if temperature >= GREEDY_EPS else 0.0
+        self.options = request.options
+        self.rows = root_logits.unsqueeze(0)  # [frontier, V]: draft logits at the frontier
+        self.frontier = [ROOT]
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.paths: list[tuple[int, ...]] = [()]  # of the frontier rows
+        self.probs: list[torch.Tensor] = []  # per level [nodes, V]: the q each node was drawn from
+        self.levels = 0
+
+    def grow(self, generator: torch.Generator) -> tuple[list[int], list[int]]:
+        """Add the next level below the frontier; its tokens and parents."""
+        width = self.widths[self.levels]
+        if self.temperature:
+            q = sampling_probs(self.rows, self.temperature, self.options["top_k"], self.options["top_p"])
+            chosen = sampled_candidates(q, width, generator)  # [frontier, w]
+            self.probs.append(q.repeat_interleave(chosen.shape[1], dim=0))
+        else:
+            chosen = best_candidates(self.rows, width)
+        tokens = chosen.reshape(-1).tolist()
+        parents = [p for p in self.frontier for _ in range(chosen.shape[1])]
+        paths = [path + (t,) for path, row in zip(self.paths, chosen.tolist()) for t in row]
+        first = len(self.tokens)
+        self.tokens += tokens
+        self.parents += parents
+        self.frontier = list(range(first, len(self.tokens)))
+        self.paths = paths
+        self.levels += 1
+        return tokens, parents
+
+    @property
+    def done(self) -> bool:
+        return self.levels == len(self.widths)
+
+    def tree(self, k_config: Sequence[int], depth: int) -> DraftTree:
+        """The drafted tree; its mask sliced from the largest tree's when it has that shape."""
+        tokens = np.asarray(self.tokens, np.int64)
+        probs = torch.cat(self.probs).numpy() if self.probs else None
+        shape = _shape(tuple(k_config), depth)
+        if np.array_equal(shape.parents[: tokens.size], self.parents):
+            return shape.with_tokens(tokens, probs)
+        return DraftTree(tokens, np.asarray(self.parents, np.int64), probs)
+
+
+class McsdDrafter(DraftModelDrafter):
+    """Multi-candidate trees with dynamic depth (see the module docstring)."""
+
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        **DRAFT_MODEL_OPTIONS,
+        "target_model": Option(
+            "", "the target model (name or path), for the stop model's pair check; filled in", per_request=False
+        ),
+        "k_config": Option(
+            [2, 2],
+            "candidates per node at each depth, e.g. [4, 2, 2]; deeper levels keep 1 (a chain)",
+        ),
+        "stop_model": Option(
+            "",
+            "directory written by `vllm-specbeam mcsd train` for this target/draft pair "
+            "(empty: stop on the draft's own top-token probability)",
+            per_request=False,
+        ),
+        "stop_threshold": Option(
+            0.5,
+            "draft one more level while some frontier node's estimated acceptance is at least this (0 = never stop)",
+            0.0,
+            1.0,
+        ),
+        "collect": Option(
+            False, "record scored rows for `vllm-specbeam mcsd train` (the command sets it)", per_request=False
+        ),
+    }
+
+    @staticmethod
+    def check_options(options: Mapping[str, Any]) -> None:
+        k_config = options["k_config"]
+        if not k_config or not all(type(k) is int and 1 <= k <= 32 for k in k_config):
+            raise SpecbeamConfigError(
+                f"mcsd: k_config must be a non-empty list of candidate counts in [1, 32], got {k_config!r}"
+            )
+        depth = options["num_speculative_tokens"]
+        if len(k_config) > depth:
+            raise SpecbeamConfigError(
+                f"mcsd: k_config {k_config} has {len(k_config)} levels but num_speculative_tokens={depth}; "
+                f"shorten k_config or raise num_speculative_tokens"
+            )
+        nodes = sum(level_sizes(k_config, depth))
+        if nodes > options["max_nodes"]:
+            raise SpecbeamConfigError(
+                f"mcsd: k_config {k_config} at depth {depth} drafts up to {nodes} nodes but max_nodes="
+                f"{options['max_nodes']}; raise max_nodes to {nodes} or draft fewer candidates"
+            )
+
+    @staticmethod
+    def check_startup(options: Mapping[str, Any]) -> None:
+        DraftModelDrafter.check_startup(options)
+        if options["stop_model"]:
+            pair = None
+            if options["target_model"] and options["draft_model"]:
+                pair = stopping.PairIdentity.of(options["target_model"], options["draft_model"])
+            stopping.load_stop_model(options["stop_model"], pair)
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        path = self.options.get("stop_model", "")
+        self.stop_model = stopping.load_stop_model(path) if path else None
+        self.collect = bool(self.options.get("collect", False))
+        self._scored: dict[str, _Scored] = {}
+        self._collected: list[StopData] = []
+
+    def load_model(self, target_model: Any) -> None:
+        raise SpecbeamConfigError(
+            "mcsd drafts with the draft model inside vLLM's worker, which this version runs on vLLM's CPU "
+            "backend only; on this platform use dsbd (its draft runs next to vLLM) or a draft-free method"
+        )
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        runtime = self.ready_runtime()
+        if self.collect:
+            self._label(requests)
+        widths = [level_widths(r.options["k_config"], r.options["num_speculative_tokens"]) for r in requests]
+        reserve = [sum(level_sizes(r.options["k_config"], len(w))[:-1]) for r, w in zip(requests, widths)]
+        synced = runtime.sync_many([(r.req_id, r.token_ids, n) for r, n in zip(requests, reserve)])
+        growths = [None if logits is None else _Growth(r, w, logits) for r, w, logits in zip(requests, widths, synced)]
+        growing = [g for g in growths if g is not None]
+        if self.collect and growing:
+            self._score(growing, [len(r.token_ids) for r, g in zip(requests, growths) if g is not None])
+        while growing:
+            levels = [(g, g.grow(self.generator)) for g in growing]
+            growing = [g for g, _ in levels if not g.done]
+            if not growing:
+                break
+            logits = runtime.extend_many([(g.req_id, *level) for g, level in levels if not g.done])
+            for g, rows in zip(growing, logits):
+                g.rows = rows
+            scores = self._score(growing, None)
+            growing = [g for g, score in zip(growing, scores) if score >= g.options["stop_threshold"]]
+        return [
+            DraftTree.empty() if g is None else g.tree(r.options["k_config"], r.options["num_speculative_tokens"])
+            for r, g in zip(requests, growths)
+        ]
+
+    # ------------------------------------------------------------ the stopping rule
+    def _score(self, growing: list[_Growth], lengths: list[int] | None) -> list[float]:
+        """Each request's best frontier score (estimated acceptance of the next token), all
+        requests at once: one host sync per depth. ``lengths``: the root rows, recorded only."""
+        rows = torch.cat([g.rows for g in growing])  # [frontier rows of all requests, V]
+        features = stopping.stop_features(rows)  # [rows, F]
+        scores = features[:, 0] if self.stop_model is None else self.stop_model.probability(features)
+        counts = [g.rows.shape[0] for g in growing]
+        if self.collect:
+            self._record(growing, features.split(counts), lengths)
+        return [float(s.max()) for s in scores.split(counts)]  # host sync
+
+    def _record(self, growing: list[_Growth], features: Sequence[torch.Tensor], lengths: list[int] | None) -> None:
+        for k, (g, rows) in enumerate(zip(growing, features)):
+            top = g.rows.argmax(dim=-1).tolist()
+            if lengths is not None:
+                self._scored[g.req_id] = _Scored(lengths[k], list(g.paths), top, rows)
+            elif g.req_id in self._scored:
+                scored = self._scored[g.req_id]
+                scored.paths += g.paths
+                scored.top += top
+                scored.features = torch.cat([scored.features, rows])
+
+    def _label(self, requests: list[DraftRequest]) -> None:
+        """Label last step's rows of these requests from the tokens committed since."""
+        for request in requests:
+            scored = self._scored.pop(request.req_id, None)
+            if scored is None:
+                continue
+            committed = tuple(int(t) for t in request.token_ids[scored.length :])
+            keep = [
+                i
+                for i, path in enumerate(scored.paths)
+                if len(committed) > len(path) and committed[: len(path)] == path
+            ]
+            if keep:
+                self._collected.append(
+                    StopData(
+                        scored.features[keep].numpy(),
+                        np.asarray([committed[len(scored.paths[i])] == scored.top[i] for i in keep], np.float32),
+                        np.asarray([len(scored.paths[i]) + 1 for i in keep], np.int64),
+                    )
+                )
+
+    def take_collected(self) -> StopData:
+        """The labelled rows collected so far (and forget them)."""
+        data, self._collected = self._collected, []
+        return StopData(
+            np.concatenate([d.features for d in data]) if data else np.zeros((0, stopping.NUM_FEATURES), np.float32),
+            np.concatenate([d.labels for d in data]) if data else np.zeros(0, np.float32),
+            np.concatenate([d.depths for d in data]) if data else np.zeros(0, np.int64),
+        )
+
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        req_ids = list(req_ids)
+        for req_id in req_ids:
+            self._scored.pop(req_id, None)
+        super().remove_requests(req_ids)
