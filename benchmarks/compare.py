@@ -83,7 +83,7 @@ DSBD_CHAIN = "dsbd-chain"
 #: draft's confidence) and with none (``no-stop``: always the full depth),
 #: on one engine at depth ``MCSD_DEPTH``. ``[1]`` is the target-initialised
 #: shape (see methods/mcsd/drafter.py).
-MCSD_GRID = {"none": [[2, 2]], "quick": [[2, 2], [2], [1]], "full": [[4, 2, 2], [2, 2], [2], [1]]}
+MCSD_GRID = {"none": [[1]], "quick": [[2, 2], [2], [1]], "full": [[4, 2, 2], [2, 2], [2], [1]]}
 MCSD_DEPTH = 6
 #: ``mcsd`` with the ``--stop-model`` (``vllm-specbeam mcsd train``), as its own row.
 MCSD_STOP = "mcsd+stop"

@@ -200,7 +200,7 @@ def test_bad_k_config_names_the_fix(overrides: dict, message: str) -> None:
 
 def test_without_the_in_worker_draft_mcsd_refuses_to_start() -> None:
     """Off vLLM's CPU backend the runner asks the drafter to load its own draft: refused, naming what works."""
-    with pytest.raises(SpecbeamConfigError, match="CPU backend only.*use dsbd"):
+    with pytest.raises(SpecbeamConfigError, match=r"CPU backend only.*use dsbd"):
         McsdDrafter(options()).load_model(None)
 
 
@@ -274,12 +274,22 @@ def stop_model_dir(tiny_model: str, near_draft: str, tmp_path_factory: pytest.Te
     return folder / "out"
 
 
-def test_train_writes_a_small_stop_model_for_the_pair(stop_model_dir: Path, tiny_model: str, near_draft: str) -> None:
+def test_train_writes_a_small_stop_model_for_the_pair(
+    stop_model_dir: Path, tiny_model: str, near_draft: str, tmp_path: Path
+) -> None:
+    from vllm_specbeam.adapter import cli
+    from vllm_specbeam.adapter.mcsd_train import DATA_FILE
+
     path = stop_model_dir / stopping.STOP_MODEL_FILE
     assert path.stat().st_size < 16 * 1024
     record = json.loads(path.read_text())
     assert record["report"]["rows"] > 100
     stopping.load_stop_model(stop_model_dir, stopping.PairIdentity.of(tiny_model, near_draft))
+    # the collected rows are kept: retraining needs no engine and gives the same model for the same seed
+    argv = ["mcsd", "train", "--target", tiny_model, "--draft", near_draft, "--out", str(tmp_path)]
+    assert cli.main([*argv, "--from-data", str(stop_model_dir / DATA_FILE)]) == 0
+    again = json.loads((tmp_path / stopping.STOP_MODEL_FILE).read_text())
+    assert again["layers"] == record["layers"]
 
 
 def test_a_stop_model_engine_is_greedy_exact(engines, near_draft, stop_model_dir, prompts, reference) -> None:

@@ -20,6 +20,9 @@ import numpy as np
 
 from vllm_specbeam.methods.mcsd import stopping
 
+#: the collected rows, saved next to the model (``--from-data`` retrains from them)
+DATA_FILE = "stop_data.npz"
+
 
 def read_prompts(path: Path, skip: int, limit: int) -> list[str]:
     """Prompts from a JSONL file (``.gz`` too) with a ``prompt`` field per line, or a text file (one per line)."""
@@ -72,21 +75,34 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--target", required=True, help="target model (name or path), as served")
     parser.add_argument("--draft", required=True, help="draft model (name or path), as served")
-    parser.add_argument("--prompts", required=True, help="JSONL (.gz) with a 'prompt' field per line, or one per line")
+    parser.add_argument("--prompts", help="JSONL (.gz) with a 'prompt' field per line, or one per line")
     parser.add_argument("--out", required=True, help="directory to write stop_model.json to")
     parser.add_argument("--skip", type=int, default=0, help="skip the file's first prompts")
     parser.add_argument("--limit", type=int, default=0, help="use at most this many prompts (0: all)")
     parser.add_argument("--depth", type=int, default=6, help="draft depth while collecting")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument(
+        "--from-data",
+        default=None,
+        help=f"train on the rows an earlier run saved (DIR/{DATA_FILE}) instead of collecting (no engine)",
+    )
     parser.add_argument("--dtype", default="auto", help="the engine's dtype, as served")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--engine-args", default="{}", help="more LLM(...) arguments as JSON, e.g. '{\"max_model_len\": 2048}'"
     )
     args = parser.parse_args(argv)
+    if not args.prompts and not args.from_data:
+        parser.error("give --prompts to collect on (or --from-data to retrain from saved rows)")
 
-    data = collect(args)
+    if args.from_data:
+        with np.load(args.from_data) as saved:
+            data = dict(saved)
+    else:
+        data = collect(args)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(Path(args.out) / DATA_FILE, **data)
     depths = data["depths"]
     print(f"collected {len(depths)} draft rows from {args.target} / {args.draft}")
     for depth in np.unique(depths):
@@ -96,7 +112,8 @@ def main(argv: list[str]) -> int:
     path = stopping.save_stop_model(args.out, model, stopping.PairIdentity.of(args.target, args.draft), report)
     print(
         f"held-out accuracy {report.heldout_accuracy:.3f} on {report.heldout_rows} rows "
-        f"(always guessing the majority: {max(report.positive_rate, 1 - report.positive_rate):.3f}); "
+        f"(always guessing the majority: {max(report.positive_rate, 1 - report.positive_rate):.3f}), "
+        f"log-loss {report.heldout_log_loss:.3f} (a constant: {report.constant_log_loss:.3f}); "
         f"wrote {path} ({path.stat().st_size} bytes)"
     )
     return 0

@@ -148,8 +148,9 @@ class McsdDrafter(DraftModelDrafter):
             "", "the target model (name or path), for the stop model's pair check; filled in", per_request=False
         ),
         "k_config": Option(
-            [2, 2],
-            "candidates per node at each depth, e.g. [4, 2, 2]; deeper levels keep 1 (a chain)",
+            [1],
+            "candidates per node at each depth, e.g. [4, 2, 2]; deeper levels keep 1 (a chain); "
+            "the default [1] is the paper's target-initialised shape (see the module docstring)",
         ),
         "stop_model": Option(
             "",
