@@ -210,11 +210,6 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         )
         if wanted is not None and name not in wanted and not extra_rows_only:
             continue
-        if method.drafter is None:
-            status[name] = MethodStatus(
-                "plugin", "skipped", f"not available yet in this plugin version ({method.issue})"
-            )
-            continue
         if method.needs_draft_model and not args.draft:
             status[name] = MethodStatus("plugin", "skipped", "needs --draft")
             continue

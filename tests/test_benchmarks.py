@@ -233,15 +233,15 @@ def plan_args(**kwargs) -> argparse.Namespace:
 
 
 def test_plan_follows_plugin_methods(monkeypatch):
-    """Every plugin method with a drafter is benchmarked, the others are
-    reported as skipped; a beam method brings vLLM's beam search along."""
+    """Every plugin method is benchmarked, those with a draft model only with
+    --draft (skipped otherwise); a beam method brings vLLM's beam search along."""
     from vllm_specbeam.core.config import METHODS, Method
 
     status, engines = compare.plan(plan_args())
     for name, method in METHODS.items():
-        if method.drafter is None:
-            assert status[name].status == "skipped" and "not available" in status[name].reason
-        elif not method.needs_draft_model:
+        if method.needs_draft_model:
+            assert status[name].status == "skipped" and status[name].reason == "needs --draft"
+        else:
             assert status[name].status == "ok" and name in [e.id for e in engines]
     assert status["draft_model"].status == "skipped" and status["beam_search"].status == "skipped"
     assert engines[-1].method == "none"  # last: it scores every output

@@ -45,8 +45,12 @@ def engine_config(model: str, spec: dict):
             r"speculative method 'lookup_tree' uses no draft model; remove \"model\"",
         ),
         (
-            {"method": "mjsd", "model": "some/draft"},
-            r"speculative method 'mjsd' \(multi-token joint speculative decoding\) is not available yet",
+            {"method": "mjsd", "model": "some/draft", "beam_width": 2, "num_beams_verified": 3},
+            r"mjsd: num_beams_verified=3 exceeds beam_width=2; verify at most beam_width beams or raise beam_width",
+        ),
+        (
+            {"method": "mjsd", "model": "some/draft", "verify": "exact"},
+            r"option 'verify' must be one of \['joint', 'block'\], got 'exact'",
         ),
         ({"method": "aded", "trigram": "/nonexistent/matrix"}, r"aded: .*nonexistent"),
     ],

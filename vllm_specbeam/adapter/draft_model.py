@@ -96,7 +96,8 @@ def lookahead(stock: property) -> property:
     vLLM gives ``custom_class`` no lookahead, so scratch slots past the
     scheduled tokens would fall on block 0 (vLLM's null block), silently
     shared by all requests. A round needs the bonus token's slot plus one per
-    tree node fed: ``max_nodes + 1`` bounds it. The scheduler reads the
+    tree node fed to the draft (the drafter's ``draft_slots``: ``max_nodes``,
+    or ``mjsd``'s beams). The scheduler reads the
     property once, in the engine-core process, where ``register()`` has run.
     """
     if stock.fget is None:
@@ -109,7 +110,7 @@ def lookahead(stock: property) -> property:
         if not uses_worker_draft(config):
             return tokens
         assert config is not None
-        return max(tokens, config.max_nodes + 1)
+        return max(tokens, METHODS[config.method].drafter_class().draft_slots(config.options) + 1)
 
     return _LookaheadProperty(num_lookahead_tokens, doc=stock.__doc__)
 

@@ -179,6 +179,8 @@ class TreeCounts:
     #: beam rules: beams kept, summed over accepted depths (mean width = sum / depths)
     beam_width_sum: int = 0
     beam_depths: int = 0
+    #: lossy rules (``mjsd``'s joint rule): accepted drafts that were not the target's argmax
+    accepted_off_argmax: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)
@@ -504,6 +506,7 @@ class TreeRunnerMixin:
             for widths in verdict.widths or ():
                 self.tree_counts.beam_width_sum += sum(widths)
                 self.tree_counts.beam_depths += len(widths)
+            self.tree_counts.accepted_off_argmax += sum(verdict.off_argmax or ())
             for k, path, tokens in zip(chosen, verdict.accepted, verdict.tokens):
                 results[k] = Accepted(path, tokens)
         return [results[k] for k in range(len(rules))]

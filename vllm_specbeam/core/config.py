@@ -69,9 +69,8 @@ def _load(target: str) -> Any:
 class Method:
     """A method name users can pass, and where its drafter lives."""
 
-    drafter: str | None  # "module:Class", None until the method lands
+    drafter: str  # "module:Class"
     needs_draft_model: bool = False
-    issue: str = ""
     #: acceptance rules ("module:Class") for temperature 0, for sampling, and
     #: for sampling when the draft is a single chain (None: the sampling rule)
     greedy_verifier: str = "vllm_specbeam.core.verifiers.greedy:GreedyTreeVerifier"
@@ -79,8 +78,6 @@ class Method:
     chain_verifier: str | None = "vllm_specbeam.core.verifiers.block:BlockVerifier"
 
     def drafter_class(self) -> type[TreeDrafter]:
-        if self.drafter is None:
-            raise SpecbeamConfigError(f"speculative method ({self.issue}) is not available yet: it has no drafter")
         return _load(self.drafter)
 
     def verifiers(self) -> tuple[Any, Any, Any]:
@@ -117,7 +114,13 @@ METHODS: dict[str, Method] = {
         chain_verifier=None,
     ),
     "mcsd": Method("vllm_specbeam.methods.mcsd.drafter:McsdDrafter", needs_draft_model=True),
-    "mjsd": Method(None, needs_draft_model=True, issue="multi-token joint speculative decoding"),
+    "mjsd": Method(
+        "vllm_specbeam.methods.mjsd.drafter:MjsdDrafter",
+        needs_draft_model=True,
+        greedy_verifier="vllm_specbeam.methods.mjsd.verifier:MjsdGreedyVerifier",
+        sampling_verifier="vllm_specbeam.methods.mjsd.verifier:MjsdVerifier",
+        chain_verifier=None,
+    ),
     "aded": Method("vllm_specbeam.methods.aded.drafter:AdedDrafter"),
 }
 
@@ -153,8 +156,9 @@ class SpecbeamConfig:
         """The options for one request: engine defaults plus its ``extra_args``.
 
         Only this method's options are read from ``extra_args``; other keys
-        belong to other plugins or to the user. Depth and node budget can only
-        be lowered per request: the engine's KV and metric sizes follow them.
+        belong to other plugins or to the user. Depth and node budget (and a
+        drafter's ``CAPPED_BY_ENGINE`` options) can only be lowered per
+        request: the engine's KV and metric sizes follow them.
         """
         options = dict(self.options)
         if not overrides:
@@ -170,7 +174,7 @@ class SpecbeamConfig:
                     )
                 options[name] = specs[name].check(name, value)
         method.check(options)
-        for name in TREE_OPTIONS:
+        for name in (*TREE_OPTIONS, *method.drafter_class().CAPPED_BY_ENGINE):
             if options[name] > self.options[name]:
                 raise SpecbeamConfigError(
                     f"per-request {name}={options[name]} exceeds the engine's {name}={self.options[name]}; "
@@ -199,12 +203,6 @@ def parse(
     user = {k.replace("-", "_"): v for k, v in speculative_config.items()}
     name = user.pop("method")
     method = METHODS[name]
-    if method.drafter is None:
-        available = sorted(m for m, spec in METHODS.items() if spec.drafter is not None)
-        raise SpecbeamConfigError(
-            f"speculative method {name!r} ({method.issue}) is not available yet in this version of "
-            f"vllm-specbeam; available plugin methods: {available}"
-        )
     draft_model = user.pop("model", None)
     if method.needs_draft_model and not draft_model:
         raise SpecbeamConfigError(

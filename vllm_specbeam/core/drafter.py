@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -38,6 +38,10 @@ class TreeDrafter(ABC):
     (see :mod:`vllm_specbeam.core.config`); per-request values arrive with each
     :class:`DraftRequest`.
     """
+
+    #: per-request options that may only be lowered, like depth and node budget:
+    #: engine-wide sizes (KV slots reserved for drafting) follow their engine values
+    CAPPED_BY_ENGINE: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.options = dict(options)

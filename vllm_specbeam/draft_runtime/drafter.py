@@ -1,4 +1,4 @@
-"""What every drafter with a draft model shares (``dsbd``, ``mcsd``).
+"""What every drafter with a draft model shares (``dsbd``, ``mcsd``, ``mjsd``).
 
 Their common options, the start-up check that the draft tokenises like the
 target, the :class:`~vllm_specbeam.draft_runtime.base.DraftRuntime` they draft
@@ -102,6 +102,21 @@ class DraftModelDrafter(TreeDrafter):
         """The draft model's tokenizer loads and tokenises exactly like the target's."""
         if options["draft_model"] and options["tokenizer"]:
             check_draft_tokenizer(options["draft_model"], options["tokenizer"])
+
+    @staticmethod
+    def draft_slots(options: Mapping[str, Any]) -> int:
+        """Most tree nodes one step feeds to the draft model (the in-worker
+        draft's scratch KV slots): the verified tree's, unless the method
+        drafts more than it proposes."""
+        return int(options["max_nodes"])
+
+    def load_model(self, target_model: Any) -> None:
+        """Asked only where the engine does not load the draft itself (off vLLM's CPU backend)."""
+        name = type(self).__name__.removesuffix("Drafter").lower()
+        raise SpecbeamConfigError(
+            f"{name} drafts with the draft model inside vLLM's worker, which this version runs on vLLM's CPU "
+            "backend only; on this platform use dsbd (its draft runs next to vLLM) or a draft-free method"
+        )
 
     def use_runtime(self, runtime: DraftRuntime) -> None:
         """Draft with a draft model the engine loaded itself (inside vLLM's worker)."""

@@ -30,6 +30,8 @@ class Verdict:
     tokens: list[list[int]]
     #: beam rules only: per request, the beams kept at each accepted depth (DSBD's chosen width)
     widths: list[list[int]] | None = None
+    #: lossy rules only: per request, accepted drafts that were not the target's argmax at their row
+    off_argmax: list[int] | None = None
 
 
 class TreeVerifier(ABC):

@@ -132,7 +132,7 @@ def _start(request: DraftRequest, widths: list[int], logits: torch.Tensor) -> Dr
     temperature = draft_temperature(request.options, request.temperature)
     if temperature < GREEDY_EPS:
         return DraftBeamSearch(request.req_id, widths, logits.unsqueeze(0))
-    return _BeamSample(request.req_id, widths, logits, temperature, request.options)
+    return BeamSample(request.req_id, widths, logits, temperature, request.options)
 
 
 def draft_beams(runtime: DraftRuntime, beams: list[DraftBeams], generator: torch.Generator | None) -> None:
@@ -207,7 +207,7 @@ class DraftBeams(ABC):
         """The draft, once :attr:`done`."""
 
 
-class _BeamSample(DraftBeams):
+class BeamSample(DraftBeams):
     """Each depth's pairs drawn i.i.d. from the draft joint; every beam's ``q`` row recorded."""
 
     def __init__(
@@ -250,6 +250,8 @@ class DraftBeamSearch(DraftBeams):
 
     ``logits``: one row per live beam. ``banned``: a token never drafted (the
     full-width search bans EOS: a beam that ends is never extended).
+    ``temperature`` scales the logits the scores are summed from (``mjsd``
+    searches a sampled request's draft at its temperature).
     """
 
     def __init__(
@@ -261,10 +263,12 @@ class DraftBeamSearch(DraftBeams):
         scores: torch.Tensor | None = None,
         first_node: int = 0,
         banned: int | None = None,
+        temperature: float = 1.0,
     ) -> None:
         super().__init__(req_id, widths, live, scores, first_node)
         self.banned = banned
-        self.logp = torch.log_softmax(logits, dim=-1)
+        self.temperature = temperature
+        self.logp = torch.log_softmax(logits / temperature, dim=-1)
 
     def _choose(self, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         vocab = self.logp.shape[-1]
@@ -277,7 +281,7 @@ class DraftBeamSearch(DraftBeams):
         return best // vocab, best % vocab, scores
 
     def take(self, logits: torch.Tensor) -> None:
-        self.logp = torch.log_softmax(logits, dim=-1)
+        self.logp = torch.log_softmax(logits / self.temperature, dim=-1)
 
     def forest(self) -> BeamForest:
         return BeamForest(np.asarray(self.tokens), np.asarray(self.parents))

@@ -206,12 +206,6 @@ class McsdDrafter(DraftModelDrafter):
         self._scored: dict[str, _Scored] = {}
         self._collected: list[StopData] = []
 
-    def load_model(self, target_model: Any) -> None:
-        raise SpecbeamConfigError(
-            "mcsd drafts with the draft model inside vLLM's worker, which this version runs on vLLM's CPU "
-            "backend only; on this platform use dsbd (its draft runs next to vLLM) or a draft-free method"
-        )
-
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
         if self.collect:

@@ -1,0 +1,115 @@
+"""MJSD drafting: the draft's beam search over joint likelihood, proposed with its ``log Q``.
+
+Multi-token joint speculative decoding (Qin et al., arXiv 2407.09722; the
+ICLR 2025 version "MTAD"). The point is quality: decoding several tokens by
+their joint probability gives text the target scores higher than greedy
+decoding, and the draft makes it affordable. **Lossy by design** in its
+default ``"verify": "joint"``: outputs differ from the target's own decoding
+on purpose (:mod:`vllm_specbeam.methods.mjsd.verifier`).
+
+Per step and request the draft runs beam search with ``beam_width`` beams
+for ``num_speculative_tokens`` depths from the committed context, all
+requests' beams in one draft forward per depth (dsbd's
+:func:`~vllm_specbeam.methods.dsbd.drafter.draft_beams` on the in-worker
+draft), and the best ``num_beams_verified`` final beams are proposed as one
+tree with their prefix joint probabilities ``Q(x_1..x_i)``
+(:func:`~vllm_specbeam.methods.mjsd.maths.beam_proposal`); more than one is
+the tree variant, verified in the same target pass, the best passing beam
+kept. Scores use the draft's distribution at temperature 1 for greedy
+requests, at the draft temperature (the request's unless
+``draft_temperature`` is set) for sampled ones. With ``draft_sampling`` a
+sampled request's beams are drawn by beam sampling (MTAD) instead of searched.
+
+``"verify": "block"`` is the lossless mode: the draft samples one chain from
+``q`` (its argmax chain for greedy requests) and the exact rules verify it:
+block verification when sampling, greedy matching at temperature 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from vllm_specbeam.core.config import Option, SpecbeamConfigError
+from vllm_specbeam.core.drafter import DraftRequest
+from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.draft_runtime.drafter import DRAFT_MODEL_OPTIONS, GREEDY_EPS, DraftModelDrafter, draft_temperature
+from vllm_specbeam.methods.dsbd.drafter import BeamSample, DraftBeams, DraftBeamSearch, draft_beams
+from vllm_specbeam.methods.mjsd.maths import beam_proposal
+
+
+class MjsdDrafter(DraftModelDrafter):
+    """Draft beam search proposals with their joint draft probabilities (see the module docstring)."""
+
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        **DRAFT_MODEL_OPTIONS,
+        "beam_width": Option(4, "beams of the draft's beam search (at most the engine's per request)", 1, 32),
+        "threshold": Option(
+            0.9, "tau: accept the longest drafted prefix with P(prefix) / Q(prefix) >= tau (joint mode)", 0.0, 1.0
+        ),
+        "num_beams_verified": Option(
+            1, "best final beams verified together as one tree; the best passing one is kept", 1, 32
+        ),
+        "draft_sampling": Option(False, "sampled requests draw their beams by beam sampling (MTAD) instead"),
+        "verify": Option(
+            "joint",
+            "joint: the joint-likelihood rule (lossy: better than greedy); block: a sampled chain "
+            "verified exactly (the target's own distribution)",
+            choices=("joint", "block"),
+        ),
+    }
+    CAPPED_BY_ENGINE: ClassVar[tuple[str, ...]] = ("beam_width",)
+
+    @staticmethod
+    def check_options(options: Mapping[str, Any]) -> None:
+        if options["num_beams_verified"] > options["beam_width"]:
+            raise SpecbeamConfigError(
+                f"mjsd: num_beams_verified={options['num_beams_verified']} exceeds beam_width="
+                f"{options['beam_width']}; verify at most beam_width beams or raise beam_width"
+            )
+
+    @staticmethod
+    def draft_slots(options: Mapping[str, Any]) -> int:
+        """Every beam of every depth but the last is fed to the draft."""
+        return max(int(options["max_nodes"]), options["beam_width"] * (options["num_speculative_tokens"] - 1))
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        runtime = self.ready_runtime()
+        widths = [[_width(r.options)] * r.options["num_speculative_tokens"] for r in requests]
+        synced = runtime.sync_many([(r.req_id, r.token_ids, sum(w[:-1])) for r, w in zip(requests, widths)])
+        beams = [None if logits is None else _start(r, w, logits) for r, w, logits in zip(requests, widths, synced)]
+        draft_beams(runtime, [b for b in beams if b is not None], self.generator)
+        return [DraftTree.empty() if b is None else _proposal(r, b) for r, b in zip(requests, beams)]
+
+
+def _width(options: Mapping[str, Any]) -> int:
+    return 1 if options["verify"] == "block" else int(options["beam_width"])
+
+
+def _start(request: DraftRequest, widths: list[int], logits: torch.Tensor) -> DraftBeams:
+    """Beam search (greedy requests, and sampled ones without ``draft_sampling``) or beam sampling."""
+    options = request.options
+    temperature = draft_temperature(options, request.temperature)
+    sample = temperature >= GREEDY_EPS and (options["draft_sampling"] or options["verify"] == "block")
+    if sample:
+        return BeamSample(request.req_id, widths, logits, temperature, options)
+    scale = temperature if temperature >= GREEDY_EPS else 1.0
+    return DraftBeamSearch(request.req_id, widths, logits.unsqueeze(0), temperature=scale)
+
+
+def _proposal(request: DraftRequest, beams: DraftBeams) -> DraftTree:
+    options = request.options
+    if options["verify"] == "block":  # one chain: exact rules, with its q rows when sampled
+        rows = torch.cat(beams.draft_rows).numpy() if isinstance(beams, BeamSample) else None
+        return DraftTree(np.asarray(beams.tokens, np.int64), np.asarray(beams.parents, np.int64), rows)
+    return beam_proposal(
+        beams.tokens,
+        beams.parents,
+        beams.node_scores,
+        options["num_beams_verified"],
+        options["max_nodes"],
+        options["threshold"],
+    )
