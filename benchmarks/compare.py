@@ -88,6 +88,16 @@ MCSD_DEPTH = 6
 #: ``mcsd`` with the ``--stop-model`` (``vllm-specbeam mcsd train``), as its own row.
 MCSD_STOP = "mcsd+stop"
 
+#: ``mjsd``'s settings (per-request options on one engine sized for the
+#: largest): beams of the draft's search, the tree variant's verified beams.
+#: Depth 4, as the paper's γ; ``max_nodes`` fits the tree variant.
+MJSD_GRID = {
+    "none": [{"beam_width": 4}],
+    "quick": [{"beam_width": 2}, {"beam_width": 4}, {"beam_width": 4, "num_beams_verified": 2}],
+    "full": [{"beam_width": 2}, {"beam_width": 4}, {"beam_width": 8}, {"beam_width": 4, "num_beams_verified": 2}],
+}
+MJSD_DEPTH = 4
+
 #: ``aded`` started from the ``--trigram`` matrix, reported next to ``aded``
 #: without a corpus.
 ADED_CORPUS = "aded+corpus"
@@ -230,6 +240,8 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         ]
         if name == "mcsd":
             config, settings = mcsd_plan(config, args.sweep)
+        if name == "mjsd":
+            config, settings = mjsd_plan(config, args.sweep)
         if not extra_rows_only:
             status[name] = MethodStatus("plugin")
             engines.append(EngineSpec(name, name, "plugin", config, settings))
@@ -243,7 +255,8 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted):
             status[SPEC_BEAM] = MethodStatus("plugin")
             beam_settings = [
-                Setting(f"w{w}", {"beam_width": w}, beam_width=w, speculative=True) for w in BEAM_GRID[args.sweep]
+                Setting(f"w{w}", {"beam_width": w}, beam_width=w, speculative=True)
+                for w in args.beam_widths or BEAM_GRID[args.sweep]
             ]
             engines.append(
                 EngineSpec(
@@ -274,7 +287,9 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
 
     if (wanted is None and available_beam) or (wanted is not None and "beam_search" in wanted):
         status["beam_search"] = MethodStatus("beam")
-        settings = [Setting(f"w{w}", {"beam_width": w}, beam_width=w) for w in BEAM_GRID[args.sweep]]
+        settings = [
+            Setting(f"w{w}", {"beam_width": w}, beam_width=w) for w in args.beam_widths or BEAM_GRID[args.sweep]
+        ]
         engines.append(
             EngineSpec(
                 "beam_search", "beam_search", "beam", None, settings, greedy_only=True, engine_kwargs=BEAM_ENGINE
@@ -309,6 +324,20 @@ def mcsd_plan(config: dict[str, Any], sweep: str) -> tuple[dict[str, Any], list[
             )
         )
     return {**config, "num_speculative_tokens": MCSD_DEPTH, "max_nodes": nodes, "k_config": grid[0]}, settings
+
+
+def mjsd_plan(config: dict[str, Any], sweep: str) -> tuple[dict[str, Any], list[Setting]]:
+    """The ``mjsd`` engine (sized for the grid's widest search and largest tree) and its settings."""
+    grid = MJSD_GRID[sweep]
+    settings = []
+    for values in grid:
+        label = f"b{values['beam_width']}" + (
+            f"/t{values['num_beams_verified']}" if "num_beams_verified" in values else ""
+        )
+        settings.append(Setting(label, dict(values), extra_args=dict(values)))
+    widest = max(v["beam_width"] for v in grid)
+    nodes = MJSD_DEPTH * max(v.get("num_beams_verified", 1) for v in grid)
+    return {**config, "num_speculative_tokens": MJSD_DEPTH, "max_nodes": nodes, "beam_width": widest}, settings
 
 
 SUFFIX_UNAVAILABLE = (
@@ -918,6 +947,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sweep", choices=sorted(TREE_GRID), default="quick", help="option grid per method: none = defaults only"
+    )
+    parser.add_argument(
+        "--beam-widths", type=int, nargs="+", default=None, help="beam search widths (default: the sweep's)"
     )
     parser.add_argument("--dtype", default="float32", help="float32 is faster than bfloat16 on CPUs without bf16")
     parser.add_argument(

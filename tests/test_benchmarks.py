@@ -228,6 +228,7 @@ def plan_args(**kwargs) -> argparse.Namespace:
         "stop_model": None,
         "stop_model_path": None,
         "draft_dtype": "auto",
+        "beam_widths": None,
     }
     return argparse.Namespace(**{**defaults, **kwargs})
 
