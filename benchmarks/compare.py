@@ -98,6 +98,12 @@ MJSD_GRID = {
 }
 MJSD_DEPTH = 4
 
+#: ``lookup_tree`` with ``"scope": "global"`` (drafting from every request the
+#: engine finished, like vLLM's ``suffix``), as its own row: (depth, node
+#: budget) per sweep level; repeated text is worth deeper trees.
+LOOKUP_GLOBAL = "lookup_tree+global"
+GLOBAL_GRID = {"none": [(5, 16)], "quick": [(5, 16), (8, 16)], "full": [(5, 16), (8, 16), (12, 24)]}
+
 #: ``aded`` started from the ``--trigram`` matrix, reported next to ``aded``
 #: without a corpus.
 ADED_CORPUS = "aded+corpus"
@@ -183,6 +189,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         SPEC_BEAM,
         DSBD_CHAIN,
         MCSD_STOP,
+        LOOKUP_GLOBAL,
         *plugin_methods(),
     }
     if unknown:
@@ -213,11 +220,10 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
 
     available_beam = []
     for name, method in plugin_methods().items():
-        # the speculative beam search and the chain run on dsbd engines, with or without in-engine dsbd's rows
-        dsbd_rows = {SPEC_BEAM, DSBD_CHAIN}
-        extra_rows_only = (
-            wanted is not None and name not in wanted and name == "dsbd" and not wanted.isdisjoint(dsbd_rows)
-        )
+        # rows of their own on a method's engines (the speculative beam search and the chain on
+        # dsbd's, the global scope on lookup_tree's), with or without the method's own rows
+        extra_rows = {"dsbd": {SPEC_BEAM, DSBD_CHAIN}, "lookup_tree": {LOOKUP_GLOBAL}}.get(name, set())
+        extra_rows_only = wanted is not None and name not in wanted and not wanted.isdisjoint(extra_rows)
         if wanted is not None and name not in wanted and not extra_rows_only:
             continue
         if method.needs_draft_model and not args.draft:
@@ -278,6 +284,24 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
                 for k in ks
             ]
             engines.append(EngineSpec(DSBD_CHAIN, DSBD_CHAIN, "plugin", chain_config, chain_settings))
+        if name == "lookup_tree" and (wanted is None or LOOKUP_GLOBAL in wanted):
+            status[LOOKUP_GLOBAL] = MethodStatus("plugin")
+            grid = GLOBAL_GRID[args.sweep]
+            global_config = {
+                **config,
+                "num_speculative_tokens": max(d for d, _ in grid),
+                "max_nodes": max(n for _, n in grid),
+                "scope": "global",
+            }
+            global_settings = [
+                Setting(
+                    f"d{d}/n{n}",
+                    {"num_speculative_tokens": d, "max_nodes": n},
+                    {"num_speculative_tokens": d, "max_nodes": n},
+                )
+                for d, n in grid
+            ]
+            engines.append(EngineSpec("lookup_tree-global", LOOKUP_GLOBAL, "plugin", global_config, global_settings))
         if name == "aded" and args.trigram:
             # The same method started from a corpus matrix, as its own row.
             status[ADED_CORPUS] = MethodStatus("plugin")
@@ -880,6 +904,7 @@ def assemble(
                     "mean_width": metrics.ratio(counters.get("tree_beam_width_sum"), counters.get("tree_beam_depths")),
                     "mean_depth": metrics.ratio(counters.get("tree_depth_sum"), counters.get("tree_trees")),
                     "draft_forwards_per_token": metrics.ratio(counters.get("tree_draft_forwards"), output_tokens),
+                    "off_argmax_per_token": metrics.ratio(counters.get("tree_accepted_off_argmax"), output_tokens),
                     "steps_per_output_token": figures.steps_per_output_token,
                     "draft_time_share": draft_seconds / sum(record["wall_s"]) if draft_seconds is not None else None,
                     "peak_rss_mib": rss[engine.id],

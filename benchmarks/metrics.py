@@ -196,6 +196,7 @@ _RUN = {
         "mean_width": _NUM,
         "mean_depth": _NUM,
         "draft_forwards_per_token": _NUM,
+        "off_argmax_per_token": _NUM,
         "steps_per_output_token": _NUM,
         "draft_time_share": _NUM,
         "peak_rss_mib": _NUM,
@@ -352,6 +353,8 @@ SETTINGS_COLUMNS = (
     ("accepted/step", "accepted_per_step", 2),
     ("mean depth", "mean_depth", 2),
     ("draft forwards/token", "draft_forwards_per_token", 2),
+    ("accepted off argmax/token", "off_argmax_per_token", 3),
+    ("loglik/token", "mean_loglik_per_token", 3),
     ("exact match", "exact_match", 2),
 )
 

@@ -291,6 +291,20 @@ def test_plan_follows_plugin_methods(monkeypatch):
         compare.plan(plan_args(methods=["nope"]))
 
 
+def test_plan_runs_lookup_tree_global_as_its_own_row():
+    """The global scope on an engine of its own (its index is engine-wide), deeper settings; alone when named."""
+    status, engines = compare.plan(plan_args(methods=[compare.LOOKUP_GLOBAL]))
+    assert [e.id for e in engines] == ["lookup_tree-global", "none"] and "lookup_tree" not in status
+    config = engines[0].speculative_config
+    grid = compare.GLOBAL_GRID["quick"]
+    assert config["scope"] == "global" and config["num_speculative_tokens"] == max(d for d, _ in grid)
+    assert [s.extra_args for s in engines[0].settings] == [
+        {"num_speculative_tokens": d, "max_nodes": n} for d, n in grid
+    ]
+    status, engines = compare.plan(plan_args(methods=["lookup_tree"]))
+    assert [e.id for e in engines] == ["lookup_tree", "none"]
+
+
 def test_plan_runs_aded_with_and_without_a_corpus():
     status, engines = compare.plan(plan_args(methods=["aded"]))
     assert compare.ADED_CORPUS not in status

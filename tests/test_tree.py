@@ -117,5 +117,6 @@ def test_tree_step_recomputes_only_rows_the_causal_kernel_gets_wrong():
 def test_match_ends_finds_every_earlier_occurrence_of_longest_suffix():
     tokens = np.array([5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2])
     # the suffix "1 2" occurs ending at 2 and 6; "7 1 2" never earlier
-    assert match_ends(tokens, 1, 3).tolist() == [6, 2]
-    assert match_ends(tokens, 3, 3).tolist() == []
+    assert match_ends(tokens[:-1], tokens, 1, 3).ends.tolist() == [6, 2]
+    assert match_ends(tokens[:-1], tokens, 1, 3).length == 2
+    assert match_ends(tokens[:-1], tokens, 3, 3).ends.tolist() == []

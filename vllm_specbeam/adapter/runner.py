@@ -299,6 +299,8 @@ class TreeRunnerMixin:
         for req_id in finished:
             self._proposed.pop(req_id, None)
             self._prompt_trees.pop(req_id, None)
+        if finished and self.tree_drafter.learns_across_requests:
+            self.tree_drafter.finished([r for r in map(self._finished_request, sorted(finished)) if r is not None])
         for new in scheduler_output.scheduled_new_reqs:
             tree = tree_prompt.prompt_tree(new.sampling_params, new.prompt_token_ids or [])
             if tree is not None:
@@ -312,6 +314,16 @@ class TreeRunnerMixin:
         if gone:
             self.tree_drafter.remove_requests(gone)
         return super()._update_states(scheduler_output)
+
+    def _finished_request(self, req_id: str) -> DraftRequest | None:
+        """A finished request's whole sequence and options (before vLLM forgets it in ``_update_states``)."""
+        state = self.requests.get(req_id)
+        params = None if state is None else state.sampling_params
+        if state is None or params is None or state.prompt_token_ids is None:
+            return None  # not a text request (pooling, prompt embeddings)
+        tokens = np.asarray([*state.prompt_token_ids, *state.output_token_ids], np.int64)
+        options = self.tree_config.with_overrides(params.extra_args)
+        return DraftRequest(req_id, tokens, options, params.temperature)
 
     # -------------------------------------------------------------- inputs
     @override

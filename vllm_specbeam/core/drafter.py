@@ -73,6 +73,14 @@ class TreeDrafter(ABC):
         """Free per-request state: the request finished, was aborted or preempted."""
 
     @property
+    def learns_across_requests(self) -> bool:
+        """Whether :meth:`finished` wants finished requests' tokens (the runner skips collecting them if not)."""
+        return False
+
+    def finished(self, requests: list[DraftRequest]) -> None:
+        """Finished requests, each with its whole token sequence (prompt, then output) and its options."""
+
+    @property
     def live_requests(self) -> int:
         """Requests whose state this drafter holds now (what :meth:`remove_requests` frees)."""
         return 0

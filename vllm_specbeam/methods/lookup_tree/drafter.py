@@ -5,11 +5,18 @@ drafts its continuation as a chain. Text often continues an n-gram in more
 than one way (a variable used in several statements, a repeated phrase with
 different endings); keeping all continuations as one trie lets the target
 accept whichever is right, for the same single verification pass.
+
+With ``"scope": "global"`` the matches also come from the prompts and
+outputs of the requests this engine finished before
+(:mod:`vllm_specbeam.methods.lookup_tree.index`): whichever source holds the
+longer match of the recent n-gram drafts (both, on a tie). A request with
+``"share": false`` is never indexed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -17,33 +24,43 @@ import numpy as np
 from vllm_specbeam.core.config import Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.methods.lookup_tree.index import SuffixIndex
 
 
-def match_ends(tokens: np.ndarray, min_n: int, max_n: int) -> np.ndarray:
-    """End indices of the earlier occurrences of the longest suffix n-gram.
+@dataclass(frozen=True)
+class Matches:
+    """Where the query's longest matched suffix n-gram ends in a haystack, most recent first."""
+
+    ends: np.ndarray  # [matches]
+    length: int  # the n-gram's length (0: none of at least the minimum)
+
+
+def match_ends(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) -> Matches:
+    """Occurrences in ``haystack`` of the longest suffix n-gram of ``query``.
 
     Looks for the suffix of length ``n`` for the largest ``n`` in
-    ``[min_n, max_n]`` that occurs earlier, and returns the index of the last
-    token of every such occurrence, most recent first. Vectorised: candidates
-    are the earlier positions of the last token, extended backwards together.
+    ``[min_n, max_n]`` that occurs in ``haystack``, and returns the index of
+    the last token of every such occurrence, most recent first. A request's
+    own history is ``match_ends(tokens[:-1], tokens, ...)``. Vectorised:
+    candidates are the positions of the query's last token, extended
+    backwards together. Example: haystack ``[5, 1, 2, 3, 9, 1, 2, 4]`` and a
+    query ending ``[7, 1, 2]`` match "1 2" (length 2) ending at 6 and 2.
     """
-    length = tokens.size
-    if length < min_n + 1:
-        return np.zeros(0, np.int64)
-    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    length = query.size
+    if length < min_n or haystack.size == 0:
+        return Matches(np.zeros(0, np.int64), 0)
+    ends = np.flatnonzero(haystack == query[-1])
     matched = np.ones(ends.size, np.int64)
     alive = np.ones(ends.size, bool)
-    for k in range(1, max_n):
-        if k >= length:
-            break
+    for k in range(1, min(max_n, length)):
         ok = alive & (ends - k >= 0)
-        ok[ok] = tokens[ends[ok] - k] == tokens[-1 - k]
+        ok[ok] = haystack[ends[ok] - k] == query[-1 - k]
         alive = ok
         matched += alive
     best = int(min(matched.max(initial=0), max_n))
     if best < min_n:
-        return np.zeros(0, np.int64)
-    return ends[matched >= best][::-1]
+        return Matches(np.zeros(0, np.int64), 0)
+    return Matches(ends[matched >= best][::-1], best)
 
 
 class LookupTreeDrafter(TreeDrafter):
@@ -54,6 +71,17 @@ class LookupTreeDrafter(TreeDrafter):
         "prompt_lookup_min": Option(2, "shortest suffix n-gram to look up", 1, 64),
         "prompt_lookup_max": Option(5, "longest suffix n-gram to look up", 1, 64),
         "max_matches": Option(64, "most recent matches considered per step", 1, 4096),
+        "scope": Option(
+            "request",
+            "request: draft from the request's own tokens; global: also from the prompts and outputs of "
+            "requests this engine finished (drafts only: outputs never change)",
+            choices=("request", "global"),
+            per_request=False,
+        ),
+        "index_tokens": Option(
+            1 << 18, "global scope: most tokens indexed (oldest requests dropped first)", 1, 1 << 28, per_request=False
+        ),
+        "share": Option(True, "global scope: index this request's prompt and output for drafting others'"),
     }
 
     @staticmethod
@@ -64,16 +92,36 @@ class LookupTreeDrafter(TreeDrafter):
                 f"prompt_lookup_max={options['prompt_lookup_max']}"
             )
 
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        self.index = SuffixIndex(self.options["index_tokens"]) if self.options["scope"] == "global" else None
+
+    @property
+    def learns_across_requests(self) -> bool:
+        return self.index is not None
+
+    def finished(self, requests: list[DraftRequest]) -> None:
+        assert self.index is not None  # asked only when learns_across_requests
+        for request in requests:
+            if request.options["share"]:
+                self.index.add(request.token_ids)
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(request) for request in requests]
 
     def _propose_one(self, request: DraftRequest) -> DraftTree:
         opts = request.options
         tokens = request.token_ids
-        ends = match_ends(tokens, opts["prompt_lookup_min"], opts["prompt_lookup_max"])[: opts["max_matches"]]
-        depth = opts["num_speculative_tokens"]
-        paths = [tokens[end + 1 : end + 1 + depth] for end in ends]
-        paths = [p for p in paths if p.size]
+        low, high, depth = opts["prompt_lookup_min"], opts["prompt_lookup_max"], opts["num_speculative_tokens"]
+        own = match_ends(tokens[:-1], tokens, low, high)
+        paths = [tokens[end + 1 : end + 1 + depth] for end in own.ends]
+        if self.index is not None:
+            found = match_ends(self.index.corpus, tokens, low, high)
+            if found.length > own.length:
+                paths = []
+            if found.length >= own.length:
+                paths += [self.index.continuation(end, depth) for end in found.ends]
+        paths = [p for p in paths[: opts["max_matches"]] if p.size]
         if not paths:
             return DraftTree.empty()
         # Equal weights: a node's weight is how many matches continue through it;

@@ -1,0 +1,121 @@
+"""``lookup_tree``'s cross-request index (``"scope": "global"``): insertion, matching, eviction, drafts.
+
+Matching is checked against a brute-force search on small random sequences;
+the engine tests draft one request from another's output inside vLLM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_prompts
+from test_lookup_tree_engine import greedy, runner_stats, token_ids
+
+from vllm_specbeam.core.config import TREE_OPTIONS
+from vllm_specbeam.core.drafter import DraftRequest
+from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter, match_ends
+from vllm_specbeam.methods.lookup_tree.index import SEPARATOR, SuffixIndex
+
+
+def test_sequences_sit_end_to_end_with_separators() -> None:
+    """The module docstring's example."""
+    index = SuffixIndex(100)
+    index.add(np.asarray([5, 6, 7]))
+    index.add(np.asarray([8, 6, 9]))
+    assert index.corpus.tolist() == [5, 6, 7, SEPARATOR, 8, 6, 9, SEPARATOR]
+    found = match_ends(index.corpus, np.asarray([1, 6]), 1, 3)
+    assert found.ends.tolist() == [5, 1] and found.length == 1
+    assert [index.continuation(end, 4).tolist() for end in found.ends] == [[9], [7]]
+
+
+def brute_force(corpus: list[int], query: list[int], low: int, high: int) -> tuple[list[int], int]:
+    """Ends of the longest suffix n-gram of ``query`` in ``corpus``, most recent first."""
+    for n in range(min(high, len(query)), low - 1, -1):
+        gram = query[-n:]
+        ends = [i for i in range(n - 1, len(corpus)) if corpus[i - n + 1 : i + 1] == gram]
+        if ends:
+            return ends[::-1], n
+    return [], 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matching_equals_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    index = SuffixIndex(200)
+    for _ in range(rng.integers(1, 6)):
+        index.add(rng.integers(0, 4, rng.integers(1, 30)))
+    query = rng.integers(0, 4, rng.integers(1, 8))
+    low, high = int(rng.integers(1, 3)), int(rng.integers(3, 6))
+    found = match_ends(index.corpus, query, low, high)
+    ends, length = brute_force(index.corpus.tolist(), query.tolist(), low, high)
+    assert found.ends.tolist() == ends and found.length == length
+    for end in found.ends:  # a continuation never crosses into the next request
+        assert SEPARATOR not in index.continuation(int(end), 50).tolist()
+
+
+def test_oldest_sequences_are_evicted_past_the_cap() -> None:
+    index = SuffixIndex(10)
+    for first in (10, 20, 30):
+        index.add(np.arange(first, first + 4))
+    assert index.num_tokens == 8 and index.num_sequences == 2  # 12 tokens: the first sequence went
+    assert match_ends(index.corpus, np.asarray([11]), 1, 1).length == 0
+    assert match_ends(index.corpus, np.asarray([21]), 1, 1).length == 1
+    index.add(np.arange(100, 125))  # longer than the cap: its last 10 tokens
+    assert index.num_tokens == 10 and index.corpus.tolist() == [*range(115, 125), SEPARATOR]
+
+
+def options(**overrides) -> dict:
+    values = {name: option.default for name, option in {**TREE_OPTIONS, **LookupTreeDrafter.OPTIONS}.items()}
+    return {**values, "num_speculative_tokens": 4, "max_nodes": 8, **overrides}
+
+
+def test_the_longer_match_drafts_and_opted_out_requests_are_not_indexed() -> None:
+    drafter = LookupTreeDrafter(options(scope="global"))
+    assert drafter.learns_across_requests
+    drafter.finished([DraftRequest("a", np.asarray([1, 2, 3, 4, 5, 6, 7]), options())])
+    drafter.finished([DraftRequest("b", np.asarray([1, 2, 3, 9, 9, 9, 9]), options(share=False))])
+    # own history matches "2 3" once (continuing 8); the index matches "1 2 3" (continuing 4 5 6 7)
+    request = DraftRequest("c", np.asarray([2, 3, 8, 0, 1, 2, 3]), options())
+    tree = drafter.propose([request])[0]
+    assert tree.tokens.tolist() == [4, 5, 6, 7]
+    local = LookupTreeDrafter(options()).propose([request])[0]
+    assert local.tokens.tolist() == [8, 0, 1, 2] and not LookupTreeDrafter(options()).learns_across_requests
+
+
+# ---------------------------------------------------------------- inside vLLM
+LOOKUP = {"method": "lookup_tree", "num_speculative_tokens": 4, "max_nodes": 8}
+
+
+def accepted_per_step(llm, prompt: str, params) -> tuple[list[int], float]:
+    before = runner_stats(llm)
+    out = token_ids(llm.generate([prompt], params))[0]
+    after = runner_stats(llm)
+    return out, (after["accepted"] - before["accepted"]) / max(1, after["trees"] - before["trees"])
+
+
+def test_a_request_drafts_from_text_only_another_produced(engines) -> None:
+    """Request B continues text that only request A's output holds: with the global scope
+    B's drafts come from A's output (nearly every node accepted), without it B finds
+    little; outputs are greedy decoding either way. A's ``share: false`` keeps it out."""
+    from vllm import TokensPrompt
+
+    prompt = make_prompts(10)[2]
+    plain = engines.get(None)
+    first = token_ids(plain.generate([prompt], greedy(64)))[0]
+    prompt_ids = plain.get_tokenizer().encode(prompt)
+    second = TokensPrompt(prompt_token_ids=[*prompt_ids, *first[:16]])
+    reference = token_ids(plain.generate([second], greedy(40)))[0]
+    assert reference == first[16:56]  # the same context: B continues A's text
+
+    rates = {}
+    for scope, share in [("global", True), ("global", False), ("request", True)]:
+        llm = engines.get({**LOOKUP, "scope": scope})
+        params = greedy(64)
+        params.extra_args = {"share": share}
+        assert token_ids(llm.generate([prompt], params))[0] == first
+        out, rates[(scope, share)] = accepted_per_step(llm, second, greedy(40))
+        assert out == reference
+        engines.close()  # the next engine starts with an empty index
+    assert rates[("global", True)] >= 3.0  # of 4: B's drafts are A's output
+    assert rates[("global", True)] > rates[("global", False)] + 1.0
+    assert rates[("global", True)] > rates[("request", True)] + 1.0
