@@ -15,10 +15,11 @@ draft), and the best ``num_beams_verified`` final beams are proposed as one
 tree with their prefix joint probabilities ``Q(x_1..x_i)``
 (:func:`~vllm_specbeam.methods.mjsd.maths.beam_proposal`); more than one is
 the tree variant, verified in the same target pass, the best passing beam
-kept. Scores use the draft's distribution at temperature 1 for greedy
-requests, at the draft temperature (the request's unless
-``draft_temperature`` is set) for sampled ones. With ``draft_sampling`` a
-sampled request's beams are drawn by beam sampling (MTAD) instead of searched.
+kept. The search scores beams with the draft's distribution at the
+temperature the target's ``P`` is taken at (1 for greedy requests, else the
+request's). With ``draft_sampling`` a sampled request's beams are drawn by
+beam sampling (MTAD) at the draft temperature instead (``draft_temperature``,
+the request's when 0), scored by the distribution they were drawn from.
 
 ``"verify": "block"`` is the lossless mode: the draft samples one chain from
 ``q`` (its argmax chain for greedy requests) and the exact rules verify it:
@@ -90,13 +91,17 @@ def _width(options: Mapping[str, Any]) -> int:
 
 
 def _start(request: DraftRequest, widths: list[int], logits: torch.Tensor) -> DraftBeams:
-    """Beam search (greedy requests, and sampled ones without ``draft_sampling``) or beam sampling."""
+    """Beam sampling (``draft_sampling`` or block chains, at the draft temperature) or beam search.
+
+    The search scores beams at the temperature the target's ``P`` is taken
+    at: the request's, or 1 for greedy requests (the rule needs real
+    probabilities on both sides).
+    """
     options = request.options
     temperature = draft_temperature(options, request.temperature)
-    sample = temperature >= GREEDY_EPS and (options["draft_sampling"] or options["verify"] == "block")
-    if sample:
+    if temperature >= GREEDY_EPS and (options["draft_sampling"] or options["verify"] == "block"):
         return BeamSample(request.req_id, widths, logits, temperature, options)
-    scale = temperature if temperature >= GREEDY_EPS else 1.0
+    scale = request.temperature if request.temperature >= GREEDY_EPS else 1.0
     return DraftBeamSearch(request.req_id, widths, logits.unsqueeze(0), temperature=scale)
 
 
