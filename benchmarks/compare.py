@@ -89,12 +89,24 @@ MCSD_DEPTH = 6
 MCSD_STOP = "mcsd+stop"
 
 #: ``mjsd``'s settings (per-request options on one engine sized for the
-#: largest): beams of the draft's search, the tree variant's verified beams.
+#: largest): beams of the draft's search, MTAD's threshold 0.5 next to the
+#: default 0.9, the tree variant's verified beams.
 #: Depth 4, as the paper's γ; ``max_nodes`` fits the tree variant.
 MJSD_GRID = {
     "none": [{"beam_width": 4}],
-    "quick": [{"beam_width": 2}, {"beam_width": 4}, {"beam_width": 4, "num_beams_verified": 2}],
-    "full": [{"beam_width": 2}, {"beam_width": 4}, {"beam_width": 8}, {"beam_width": 4, "num_beams_verified": 2}],
+    "quick": [
+        {"beam_width": 2},
+        {"beam_width": 4},
+        {"beam_width": 4, "threshold": 0.5},
+        {"beam_width": 4, "num_beams_verified": 2},
+    ],
+    "full": [
+        {"beam_width": 2},
+        {"beam_width": 4},
+        {"beam_width": 8},
+        {"beam_width": 4, "threshold": 0.5},
+        {"beam_width": 4, "num_beams_verified": 2},
+    ],
 }
 MJSD_DEPTH = 4
 
@@ -355,8 +367,8 @@ def mjsd_plan(config: dict[str, Any], sweep: str) -> tuple[dict[str, Any], list[
     grid = MJSD_GRID[sweep]
     settings = []
     for values in grid:
-        label = f"b{values['beam_width']}" + (
-            f"/t{values['num_beams_verified']}" if "num_beams_verified" in values else ""
+        label = f"b{values['beam_width']}" + "".join(
+            f"/{tag}{values[key]}" for key, tag in (("threshold", "tau"), ("num_beams_verified", "t")) if key in values
         )
         settings.append(Setting(label, dict(values), extra_args=dict(values)))
     widest = max(v["beam_width"] for v in grid)
