@@ -32,10 +32,11 @@ test: lint
 # vLLM's `suffix` method needs arctic-inference, on PyPI only as an sdist with
 # a C++ extension: built against the venv's torch (no isolation, which would
 # fetch a CUDA torch) and its Python (setup.py's -DPYTHON_EXECUTABLE is ignored
-# by CMake), without its protobuf pin. Optional: if it does not build, the
-# benchmark reports `suffix` as skipped.
+# by CMake), without its protobuf pin; grpcio-tools of grpcio's minor version
+# (the registry may lack grpcio's exact patch release). Optional: if it does
+# not build, the benchmark reports `suffix` as skipped.
 $(VENV)/.suffix: $(VENV)/.installed
-	$(PY) -m pip install --quiet nanobind==2.9.2 wheel "grpcio-tools==$$($(PY) -c 'import grpc; print(grpc.__version__)')" \
+	$(PY) -m pip install --quiet nanobind==2.9.2 wheel "grpcio-tools==$$($(PY) -c 'import grpc; print(grpc.__version__.rsplit(".", 1)[0])').*" \
 	  && CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" MAX_JOBS=1 \
 	     $(PY) -m pip install --quiet --no-build-isolation --no-deps arctic-inference==0.3.0 \
 	  || echo "arctic-inference did not build: the benchmark skips vLLM's suffix method"
