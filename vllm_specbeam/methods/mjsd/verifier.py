@@ -77,8 +77,9 @@ class MjsdVerifier(TreeVerifier):
             token_logp = torch.log_softmax(parent_rows, dim=-1).gather(-1, chosen).squeeze(-1)  # [N]
         else:
             token_logp = parent_rows.gather(-1, chosen).squeeze(-1).log()  # [N]
-        is_argmax = (parent_rows.argmax(dim=-1) == chosen.squeeze(-1)).cpu().numpy()  # host sync
-        token_logp_host = token_logp.cpu().numpy()
+        is_argmax = parent_rows.argmax(dim=-1) == chosen.squeeze(-1)  # [N]
+        host = torch.stack([token_logp.double(), is_argmax.double()]).cpu().numpy()  # one host sync
+        token_logp_host, is_argmax_host = host[0], host[1].astype(bool)
         paths, last_rows, off_argmax = [], [], []
         for b, tree in enumerate(trees):
             span = slice(int(nodes.offsets[b]), int(nodes.offsets[b + 1]))
@@ -86,7 +87,7 @@ class MjsdVerifier(TreeVerifier):
             path = np.asarray(tree.path_to(node), np.int64)
             paths.append(path)
             last_rows.append(int(row_starts[b]) + (0 if node == ROOT else node + 1))
-            off_argmax.append(int((~is_argmax[span][path]).sum()))
+            off_argmax.append(int((~is_argmax_host[span][path]).sum()))
         rows = target[torch.as_tensor(last_rows, device=device)]  # [B, V]
         if self.greedy:
             committed = rows.argmax(dim=-1).tolist()
