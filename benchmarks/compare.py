@@ -396,6 +396,8 @@ def worker(job_path: Path) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import BeamSearchParams
 
+    from vllm_specbeam.adapter.runner import STATE_BYTES
+
     started = time.perf_counter()
     llm = LLM(
         model=job["model"],
@@ -414,11 +416,15 @@ def worker(job_path: Path) -> None:
     max_tokens = job["max_tokens"]
     llm.generate(token_prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
 
+    state_bytes: int | None = None  # the drafter's cross-request memory after the last run
+
     def counters() -> dict[str, Any]:
+        nonlocal state_bytes
         snapshot = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
         values = {key: snapshot[name] for key, name in metrics.SPEC_COUNTERS.items() if name in snapshot}
         tree = llm.collective_rpc(_read_tree_stats)[0]
         if tree is not None:
+            state_bytes = tree.pop(STATE_BYTES)
             values.update({f"tree_{key}": value for key, value in tree.items()})
         if speculative_search.cache_info().currsize:
             stats = speculative_search().stats  # rounds are target passes; steps are tokens per beam
@@ -483,6 +489,7 @@ def worker(job_path: Path) -> None:
                     },
                 )
                 record["wall_s"].append(wall)
+                record["drafter_state_bytes"] = state_bytes
                 record["output_tokens_runs"].append(sum(map(len, outputs)))
                 record["counters"] = {
                     key: _add(record["counters"].get(key, [] if isinstance(value, list) else 0), value)
@@ -912,6 +919,7 @@ def assemble(
                     "mean_depth": metrics.ratio(counters.get("tree_depth_sum"), counters.get("tree_trees")),
                     "draft_forwards_per_token": metrics.ratio(counters.get("tree_draft_forwards"), output_tokens),
                     "off_argmax_per_token": metrics.ratio(counters.get("tree_accepted_off_argmax"), output_tokens),
+                    "drafter_state_bytes": record.get("drafter_state_bytes"),
                     "steps_per_output_token": figures.steps_per_output_token,
                     "draft_time_share": draft_seconds / sum(record["wall_s"]) if draft_seconds is not None else None,
                     "peak_rss_mib": rss[engine.id],

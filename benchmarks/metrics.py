@@ -197,6 +197,7 @@ _RUN = {
         "mean_depth": _NUM,
         "draft_forwards_per_token": _NUM,
         "off_argmax_per_token": _NUM,
+        "drafter_state_bytes": {"type": ["integer", "null"], "minimum": 0},
         "steps_per_output_token": _NUM,
         "draft_time_share": _NUM,
         "peak_rss_mib": _NUM,
@@ -354,6 +355,7 @@ SETTINGS_COLUMNS = (
     ("mean depth", "mean_depth", 2),
     ("draft forwards/token", "draft_forwards_per_token", 2),
     ("accepted off argmax/token", "off_argmax_per_token", 3),
+    ("drafter state bytes", "drafter_state_bytes", 0),
     ("loglik/token", "mean_loglik_per_token", 3),
     ("exact match", "exact_match", 2),
 )

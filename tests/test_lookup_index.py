@@ -119,3 +119,26 @@ def test_a_request_drafts_from_text_only_another_produced(engines) -> None:
     assert rates[("global", True)] >= 3.0  # of 4: B's drafts are A's output
     assert rates[("global", True)] > rates[("global", False)] + 1.0
     assert rates[("global", True)] > rates[("request", True)] + 1.0
+
+
+def test_drafts_stop_at_max_tokens_and_the_index_memory_is_reported(engines) -> None:
+    """A repeated request drafts from its first run's output, but never past its
+    ``max_tokens``: every step commits its accepted drafts plus one target token,
+    and together they fit in the tokens left. The index's memory is in the
+    runner's stats: one int64 per indexed token and separator."""
+    from vllm_specbeam.adapter.runner import STATE_BYTES
+
+    prompt = make_prompts(10)[3]
+    llm = engines.get({**LOOKUP, "num_speculative_tokens": 8, "max_nodes": 16, "scope": "global"})
+    assert runner_stats(llm)[STATE_BYTES] == 0
+    first = token_ids(llm.generate([prompt], greedy(32)))[0]
+    indexed = len(llm.get_tokenizer().encode(prompt)) + len(first)
+    assert runner_stats(llm)[STATE_BYTES] == 8 * (indexed + 1)
+    before = runner_stats(llm)
+    again = token_ids(llm.generate([prompt], greedy(12)))[0]
+    after = runner_stats(llm)
+    accepted, trees = after["accepted"] - before["accepted"], after["trees"] - before["trees"]
+    assert again == first[:12]
+    assert accepted >= 8  # the first run's output drafted the repeat
+    assert accepted + trees <= 12 - 1  # the prefill's token, then every step's
+    engines.close()

@@ -138,6 +138,8 @@ BLOCK_HASH_EXTRA_KEYS = Target("vllm.v1.core.kv_cache_utils:generate_block_hash_
 ONLINE_BEAM_SEARCH = Target("vllm.entrypoints.generate.beam_search.online:BeamSearchOnlineMixin.beam_search")
 #: 7. KV slots the scheduler reserves past a step's tokens: the in-worker draft's scratch (adapter/draft_model.py)
 NUM_LOOKAHEAD_TOKENS = Target("vllm.config.vllm:VllmConfig.num_lookahead_tokens", "attribute")
+#: 8. sampling without the generators of requests whose token is discarded (adapter/cpu_generators.py)
+SAMPLE_TOKENS = Target("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens", platform="cpu")
 
 TARGETS = (
     CREATE_SPECULATIVE_CONFIG,
@@ -155,6 +157,7 @@ TARGETS = (
     BLOCK_HASH_EXTRA_KEYS,
     ONLINE_BEAM_SEARCH,
     NUM_LOOKAHEAD_TOKENS,
+    SAMPLE_TOKENS,
 )
 
 

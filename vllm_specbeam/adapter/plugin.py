@@ -48,6 +48,12 @@ the problems are logged, and requesting a plugin method fails with them.
    methods on CPU, also the KV slots the in-worker draft writes its tree nodes
    to (:func:`vllm_specbeam.adapter.draft_model.lookahead`). Read by the
    scheduler, in the engine-core process.
+8. On CPU, ``GPUModelRunner.sample_tokens`` (vllm/v1/worker/gpu_model_runner.py,
+   which ``CPUModelRunner`` inherits): a step samples without the generators of
+   the requests whose token it discards, so vLLM's rewind of those generators,
+   which CPU generators cannot do, is never needed
+   (:mod:`vllm_specbeam.adapter.cpu_generators`). A fix for every CPU engine,
+   plugin method or not, in the worker's process.
 
 Patches 2, 5, 6 and 7 fall through to vLLM when no plugin method is configured.
 """
@@ -91,12 +97,14 @@ def register() -> None:
     if problems:
         logger.error("%s\nvLLM runs without vllm-specbeam's methods.", patches.report(problems.values()))
         return
-    from vllm_specbeam.adapter import beam_search_server, draft_model, tree_prompt
+    from vllm_specbeam.adapter import beam_search_server, cpu_generators, draft_model, tree_prompt
 
     patches.wrap(patches.VALIDATE_PARAMS, _validate_params)
     patches.wrap(patches.NUM_LOOKAHEAD_TOKENS, draft_model.lookahead)
     patches.wrap(patches.BLOCK_HASH_EXTRA_KEYS, tree_prompt.block_hash_extra_keys)
     patches.wrap(patches.ONLINE_BEAM_SEARCH, beam_search_server.patch)
+    if current_platform.is_cpu():
+        patches.wrap(patches.SAMPLE_TOKENS, cpu_generators.sample_tokens)
     if current_platform.is_cuda():
         from vllm_specbeam.adapter.attention.cuda import register_tree_backend
 

@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 
 PLACEHOLDER_TOKEN_ID = -1  # vllm.v1.sample.rejection_sampler.PLACEHOLDER_TOKEN_ID
 SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler: temperatures below are greedy
+#: key of :attr:`TreeRunnerMixin.tree_stats` for the drafter's cross-request memory
+STATE_BYTES = "drafter_state_bytes"
 
 
 class DrafterHost:
@@ -217,8 +219,8 @@ class TreeRunnerMixin:
     @property
     def tree_stats(self) -> dict[str, int | float]:
         """The counters as a plain dict, for readers through ``LLM.collective_rpc``
-        (tests, benchmarks)."""
-        return self.tree_counts.as_dict()
+        (tests, benchmarks), and the drafter's memory now (not a counter)."""
+        return {**self.tree_counts.as_dict(), STATE_BYTES: self.tree_drafter.state_bytes}
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -566,19 +568,22 @@ class TreeRunnerMixin:
         for index, req_id in enumerate(batch.req_ids):
             state = self.requests[req_id]
             params = state.sampling_params
-            if (
-                not sampled_token_ids[index]
-                or params is None
-                or not request_supports_trees(params)
-                or len(state.output_token_ids) >= (params.max_tokens or 1 << 62)
-            ):  # finished: no draft
+            if not sampled_token_ids[index] or params is None or not request_supports_trees(params):
                 continue
+            # A step commits the accepted drafts and one target token: with 5 tokens left to
+            # generate, drafts past depth 4 could never be kept, so none are drafted.
+            useful_depth = (params.max_tokens or 1 << 62) - len(state.output_token_ids) - 1
+            if useful_depth < 1:  # finished, or only the target's own token left
+                continue
+            options = self.tree_config.with_overrides(params.extra_args)
+            if useful_depth < options["num_speculative_tokens"]:
+                options["num_speculative_tokens"] = useful_depth
             num_tokens = int(batch.num_tokens_no_spec[index])
             requests.append(
                 DraftRequest(
                     req_id=req_id,
                     token_ids=batch.token_ids_cpu[index, :num_tokens],
-                    options=self.tree_config.with_overrides(params.extra_args),
+                    options=options,
                     temperature=params.temperature,
                 )
             )

@@ -81,6 +81,11 @@ class TreeDrafter(ABC):
         """Finished requests, each with its whole token sequence (prompt, then output) and its options."""
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes the drafter keeps across requests (``lookup_tree``'s global index), bounded by its options."""
+        return 0
+
+    @property
     def live_requests(self) -> int:
         """Requests whose state this drafter holds now (what :meth:`remove_requests` frees)."""
         return 0

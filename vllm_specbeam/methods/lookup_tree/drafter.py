@@ -100,6 +100,10 @@ class LookupTreeDrafter(TreeDrafter):
     def learns_across_requests(self) -> bool:
         return self.index is not None
 
+    @property
+    def state_bytes(self) -> int:
+        return 0 if self.index is None else self.index.nbytes
+
     def finished(self, requests: list[DraftRequest]) -> None:
         assert self.index is not None  # asked only when learns_across_requests
         for request in requests:

@@ -53,6 +53,11 @@ class SuffixIndex:
         return len(self._sequences)
 
     @property
+    def nbytes(self) -> int:
+        """Memory of the indexed tokens: at most ``8 * (capacity + num_sequences)`` bytes."""
+        return int(self._corpus.nbytes)
+
+    @property
     def corpus(self) -> np.ndarray:
         """Every indexed sequence followed by :data:`SEPARATOR`, oldest first (read-only)."""
         return self._corpus
