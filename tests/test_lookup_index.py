@@ -82,6 +82,29 @@ def test_the_longer_match_drafts_and_opted_out_requests_are_not_indexed() -> Non
     assert local.tokens.tolist() == [8, 0, 1, 2] and not LookupTreeDrafter(options()).learns_across_requests
 
 
+def test_the_global_scope_drafts_as_deep_as_the_match_is_long() -> None:
+    """depth_factor 1: a 2-token match drafts 2 deep, a 6-token match 6 deep (of 8)."""
+    adaptive = options(scope="global", num_speculative_tokens=8, prompt_lookup_max=24, depth_factor=1.0)
+    drafter = LookupTreeDrafter(adaptive)
+    drafter.finished([DraftRequest("a", np.arange(30), adaptive)])
+    short = DraftRequest("b", np.asarray([50, 51, 52, 3, 4]), adaptive)
+    long = DraftRequest("c", np.asarray([50, 1, 2, 3, 4, 5, 6]), adaptive)
+    assert [t.tokens.tolist() for t in drafter.propose([short, long])] == [[5, 6], [7, 8, 9, 10, 11, 12]]
+    full = DraftRequest("d", np.asarray([50, 51, 52, 3, 4]), {**adaptive, "depth_factor": 0.0})
+    assert drafter.propose([full])[0].tokens.tolist() == list(range(5, 13))  # factor 0: always the full depth
+
+
+def test_the_global_scope_changes_defaults_the_user_did_not_set() -> None:
+    from vllm_specbeam.core.config import parse
+
+    request_scope = parse({"method": "lookup_tree"}).options
+    assert (request_scope["num_speculative_tokens"], request_scope["depth_factor"]) == (4, 0.0)
+    chosen = parse({"method": "lookup_tree", "scope": "global"}).options
+    assert {k: chosen[k] for k in LookupTreeDrafter.GLOBAL_DEFAULTS} == LookupTreeDrafter.GLOBAL_DEFAULTS
+    kept = parse({"method": "lookup_tree", "scope": "global", "max_nodes": 16, "depth_factor": 0.5}).options
+    assert (kept["num_speculative_tokens"], kept["max_nodes"], kept["depth_factor"]) == (16, 16, 0.5)
+
+
 # ---------------------------------------------------------------- inside vLLM
 LOOKUP = {"method": "lookup_tree", "num_speculative_tokens": 4, "max_nodes": 8}
 

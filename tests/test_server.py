@@ -1,8 +1,9 @@
 """The OpenAI-compatible server started with ``vllm-specbeam serve``.
 
-Greedy completions with ``lookup_tree``, ``aded`` and width-1 ``dsbd`` equal
-``LLM(...)`` without speculation, sent concurrently so the server batches
-them; the spec-decode counters are on ``/metrics``; a bad per-request option
+Greedy completions with ``lookup_tree`` (request and global scope), ``aded``
+and width-1 ``dsbd`` equal ``LLM(...)`` without speculation, sent
+concurrently so the server batches them, then again one at a time (the
+global scope drafting from the first wave); the spec-decode counters are on ``/metrics``; a bad per-request option
 (``vllm_xargs``) fails that request with HTTP 400 and the server keeps
 serving. The ``dsbd`` server and its beam search: test_server_beam_search.py.
 """
@@ -85,7 +86,11 @@ def running_server(model: str, speculative_config: dict | None, log_path: Path, 
                 process.kill()
 
 
-@pytest.fixture(scope="module", params=[LOOKUP, ADED], ids=lambda spec: spec["method"])
+@pytest.fixture(
+    scope="module",
+    params=[LOOKUP, {**LOOKUP, "scope": "global"}, ADED],
+    ids=lambda spec: "-".join([spec["method"], *([spec["scope"]] if "scope" in spec else [])]),
+)
 def server(request, tiny_model, tmp_path_factory):
     with running_server(tiny_model, request.param, tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url
@@ -101,13 +106,15 @@ def test_server_greedy_equals_no_speculation(server, engines, tiny_model):
 
 
 def assert_greedy_equals_no_speculation(server: str, engines, tiny_model: str) -> None:
-    """Ten concurrent greedy completions equal LLM(...) without speculation; drafts were accepted."""
+    """Ten concurrent greedy completions, then the same ten one at a time, equal LLM(...)
+    without speculation; drafts were accepted."""
     prompts = make_prompts(10)
     expected = [o.outputs[0].text for o in engines.get(None).generate(prompts, greedy())]
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         responses = list(pool.map(lambda p: complete(server, tiny_model, p), prompts))
-    assert [r.status_code for r in responses] == [200] * len(prompts)
-    assert [r.json()["choices"][0]["text"] for r in responses] == expected
+    responses += [complete(server, tiny_model, p) for p in prompts]
+    assert [r.status_code for r in responses] == [200] * 2 * len(prompts)
+    assert [r.json()["choices"][0]["text"] for r in responses] == expected * 2
 
     metrics = requests.get(f"{server}/metrics", timeout=10).text
     drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]

@@ -221,7 +221,9 @@ def parse(
             f"unknown option(s) {unknown} for speculative method {name!r}; valid options: "
             f"{sorted([*VLLM_KEYS, *specs]) if method.needs_draft_model else sorted(['method', *specs])}"
         )
-    options = {key: spec.check(key, user.get(key, spec.default)) for key, spec in specs.items()}
+    defaults = {key: spec.default for key, spec in specs.items()}
+    defaults.update(method.drafter_class().defaults_for(user))
+    options = {key: spec.check(key, user.get(key, defaults[key])) for key, spec in specs.items()}
     for filled, value in (("tokenizer", target_tokenizer), ("target_model", target_model)):
         if filled in options and not options[filled] and value:
             options[filled] = value

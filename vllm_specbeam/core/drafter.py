@@ -47,6 +47,12 @@ class TreeDrafter(ABC):
         self.options = dict(options)
 
     @staticmethod
+    def defaults_for(user: Mapping[str, Any]) -> dict[str, Any]:
+        """Defaults that depend on what the user chose (``lookup_tree``'s global scope
+        drafts deeper); options the user set are never changed."""
+        return {}
+
+    @staticmethod
     def check_options(options: Mapping[str, Any]) -> None:
         """Raise ``SpecbeamConfigError`` for option values that do not go
         together. Runs at start-up and for every request's overrides, so it

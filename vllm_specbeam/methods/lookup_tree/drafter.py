@@ -10,7 +10,10 @@ With ``"scope": "global"`` the matches also come from the prompts and
 outputs of the requests this engine finished before
 (:mod:`vllm_specbeam.methods.lookup_tree.index`): whichever source holds the
 longer match of the recent n-gram drafts (both, on a tie). A request with
-``"share": false`` is never indexed.
+``"share": false`` is never indexed. Repeated text is worth deep drafts and
+novel text is not, so the global scope drafts as deep as the matched n-gram is
+long (``depth_factor``, as vLLM's ``suffix`` does), up to 24 tokens: a 3-token
+match drafts 3 deep, a request repeating an earlier answer 24 deep.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class Matches:
     length: int  # the n-gram's length (0: none of at least the minimum)
 
 
+NO_MATCH = Matches(np.zeros(0, np.int64), 0)
+
+
 def match_ends(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) -> Matches:
     """Occurrences in ``haystack`` of the longest suffix n-gram of ``query``.
 
@@ -48,7 +54,7 @@ def match_ends(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) 
     """
     length = query.size
     if length < min_n or haystack.size == 0:
-        return Matches(np.zeros(0, np.int64), 0)
+        return NO_MATCH
     ends = np.flatnonzero(haystack == query[-1])
     matched = np.ones(ends.size, np.int64)
     alive = np.ones(ends.size, bool)
@@ -59,7 +65,7 @@ def match_ends(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) 
         matched += alive
     best = int(min(matched.max(initial=0), max_n))
     if best < min_n:
-        return Matches(np.zeros(0, np.int64), 0)
+        return NO_MATCH
     return Matches(ends[matched >= best][::-1], best)
 
 
@@ -82,7 +88,29 @@ class LookupTreeDrafter(TreeDrafter):
             1 << 18, "global scope: most tokens indexed (oldest requests dropped first)", 1, 1 << 28, per_request=False
         ),
         "share": Option(True, "global scope: index this request's prompt and output for drafting others'"),
+        "depth_factor": Option(
+            0.0, "draft at most depth_factor x (matched n-gram length) tokens deep; 0: always the full depth", 0, 64
+        ),
     }
+    #: what ``"scope": "global"`` changes unless set: deep drafts, as deep as the match is long
+    GLOBAL_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "num_speculative_tokens": 24,
+        "max_nodes": 48,
+        "prompt_lookup_max": 24,
+        "depth_factor": 1.0,
+    }
+
+    @classmethod
+    def defaults_for(cls, user: Mapping[str, Any]) -> dict[str, Any]:
+        if user.get("scope") != "global":
+            return {}
+        defaults = dict(cls.GLOBAL_DEFAULTS)
+        # a smaller node budget or a longer minimum n-gram, set alone, lowers or raises its partner
+        if isinstance(user.get("max_nodes"), int):
+            defaults["num_speculative_tokens"] = min(defaults["num_speculative_tokens"], user["max_nodes"])
+        if isinstance(user.get("prompt_lookup_min"), int):
+            defaults["prompt_lookup_max"] = max(defaults["prompt_lookup_max"], user["prompt_lookup_min"])
+        return defaults
 
     @staticmethod
     def check_options(options: Mapping[str, Any]) -> None:
@@ -118,13 +146,12 @@ class LookupTreeDrafter(TreeDrafter):
         tokens = request.token_ids
         low, high, depth = opts["prompt_lookup_min"], opts["prompt_lookup_max"], opts["num_speculative_tokens"]
         own = match_ends(tokens[:-1], tokens, low, high)
-        paths = [tokens[end + 1 : end + 1 + depth] for end in own.ends]
-        if self.index is not None:
-            found = match_ends(self.index.corpus, tokens, low, high)
-            if found.length > own.length:
-                paths = []
-            if found.length >= own.length:
-                paths += [self.index.continuation(end, depth) for end in found.ends]
+        found = match_ends(self.index.corpus, tokens, low, high) if self.index is not None else NO_MATCH
+        if opts["depth_factor"] > 0:  # a 3-token match at factor 1: at most 3 deep
+            depth = min(depth, max(1, int(opts["depth_factor"] * max(own.length, found.length))))
+        paths = [tokens[end + 1 : end + 1 + depth] for end in own.ends] if own.length >= found.length else []
+        if self.index is not None and found.length >= own.length:
+            paths += [self.index.continuation(end, depth) for end in found.ends]
         paths = [p for p in paths[: opts["max_matches"]] if p.size]
         if not paths:
             return DraftTree.empty()
