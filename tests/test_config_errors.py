@@ -26,7 +26,7 @@ def engine_config(model: str, spec: dict):
         ),
         (
             {"method": "lookup_tree", "num_speculative_tokens": "4"},
-            r"option 'num_speculative_tokens' must be a int, got '4' \(str\)",
+            r"option 'num_speculative_tokens' must be an int, got '4' \(str\)",
         ),
         (
             {"method": "lookup_tree", "num_speculative_tokens": 0},
@@ -105,6 +105,12 @@ def test_per_request_overrides_are_checked():
         config.with_overrides({"trigram": "/tmp/x"})
     with pytest.raises(SpecbeamConfigError, match="per-request num_speculative_tokens=5 exceeds"):
         config.with_overrides({"num_speculative_tokens": 5})
+    # keys meant for the plugin but not for this method fail; others (logits processors') pass
+    with pytest.raises(SpecbeamConfigError, match=r"'beam_width' belongs to \['mjsd'\], not to 'aded'"):
+        config.with_overrides({"beam_width": 2})
+    with pytest.raises(SpecbeamConfigError, match="'iteration' for 'aded': did you mean 'iterations'"):
+        config.with_overrides({"iteration": 10})
+    assert config.with_overrides({"my_logits_processor_strength": 0.5}) == config.options
 
 
 def test_start_up_checks_run_once_not_per_request(monkeypatch):

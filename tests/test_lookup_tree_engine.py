@@ -125,7 +125,7 @@ def test_per_request_override_and_bad_value(engines, prompts, reference):
 
     with pytest.raises(VLLMValidationError, match="max_nodes=64 exceeds the engine's max_nodes=12"):
         llm.generate(prompts[:1], greedy(extra_args={"max_nodes": 64}))
-    with pytest.raises(VLLMValidationError, match="option 'prompt_lookup_min' must be a int"):
+    with pytest.raises(VLLMValidationError, match="option 'prompt_lookup_min' must be an int"):
         llm.generate(prompts[:1], greedy(extra_args={"prompt_lookup_min": "2"}))
     # The engine survived the bad requests.
     assert token_ids(llm.generate(prompts[:2], greedy())) == reference[:2]

@@ -13,6 +13,7 @@ request.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,7 +45,8 @@ class Option:
             value = float(value)
         if type(value) is not kind:
             raise SpecbeamConfigError(
-                f"option {name!r} must be a {kind.__name__}, got {value!r} ({type(value).__name__})"
+                f"option {name!r} must be {'an' if kind is int else 'a'} {kind.__name__}, "
+                f"got {value!r} ({type(value).__name__})"
             )
         if self.choices is not None and value not in self.choices:
             raise SpecbeamConfigError(f"option {name!r} must be one of {list(self.choices)}, got {value!r}")
@@ -156,9 +158,11 @@ class SpecbeamConfig:
         """The options for one request: engine defaults plus its ``extra_args``.
 
         Only this method's options are read from ``extra_args``; other keys
-        belong to other plugins or to the user. Depth and node budget (and a
-        drafter's ``CAPPED_BY_ENGINE`` options) can only be lowered per
-        request: the engine's KV and metric sizes follow them.
+        belong to other plugins or to vLLM's logits processors and pass, unless
+        they are plainly meant for this plugin (:func:`_reject_misdirected`).
+        Depth and node budget (and a drafter's ``CAPPED_BY_ENGINE`` options)
+        can only be lowered per request: the engine's KV and metric sizes
+        follow them.
         """
         options = dict(self.options)
         if not overrides:
@@ -166,13 +170,15 @@ class SpecbeamConfig:
         method = METHODS[self.method]
         specs = method.options()
         for name, value in overrides.items():
-            if name in specs:
-                if not specs[name].per_request:
-                    raise SpecbeamConfigError(
-                        f"option {name!r} is engine-wide and cannot be set per request; "
-                        f"set it in the engine's speculative config"
-                    )
-                options[name] = specs[name].check(name, value)
+            if name not in specs:
+                _reject_misdirected(self.method, name, specs)
+                continue
+            if not specs[name].per_request:
+                raise SpecbeamConfigError(
+                    f"option {name!r} is engine-wide and cannot be set per request; "
+                    f"set it in the engine's speculative config"
+                )
+            options[name] = specs[name].check(name, value)
         method.check(options)
         for name in (*TREE_OPTIONS, *method.drafter_class().CAPPED_BY_ENGINE):
             if options[name] > self.options[name]:
@@ -181,6 +187,26 @@ class SpecbeamConfig:
                     f"start the engine with a larger value or lower it for this request"
                 )
         return options
+
+
+def _reject_misdirected(method: str, name: str, specs: Mapping[str, Option]) -> None:
+    """An unknown per-request key fails the request when it is another plugin
+    method's option (``beam_width`` sent to a ``lookup_tree`` engine) or a
+    near miss of one of this method's (``max_node``): silently ignoring it
+    would run the request with settings its sender did not ask for."""
+    per_request = sorted(key for key, spec in specs.items() if spec.per_request)
+    owners = sorted(other for other, entry in METHODS.items() if name in entry.options())
+    if owners:
+        raise SpecbeamConfigError(
+            f"per-request option {name!r} belongs to {owners}, not to {method!r}, which this engine runs; "
+            f"{method!r} takes {per_request}"
+        )
+    close = difflib.get_close_matches(name, list(specs), n=1, cutoff=0.8)
+    if close:
+        raise SpecbeamConfigError(
+            f"unknown per-request option {name!r} for {method!r}: did you mean {close[0]!r}? "
+            f"{method!r} takes {per_request}"
+        )
 
 
 def is_plugin_method(speculative_config: Mapping[str, Any] | None) -> bool:
