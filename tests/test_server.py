@@ -1,21 +1,21 @@
 """The OpenAI-compatible server started with ``vllm-specbeam serve``.
 
-Greedy completions with ``lookup_tree`` (request and global scope), ``aded``
-and width-1 ``dsbd`` equal ``LLM(...)`` without speculation, sent
-concurrently so the server batches them, then again one at a time (the
-global scope drafting from the first wave); the spec-decode counters are on ``/metrics``; a bad per-request option
-(``vllm_xargs``) fails that request with HTTP 400 and the server keeps
-serving. The ``dsbd`` server and its beam search: test_server_beam_search.py.
+Per tree method (``lookup_tree`` in request and global scope, ``aded``, and
+``mcsd`` with a draft inside the worker), on a KV cache small enough to
+preempt: ten greedy completions sent concurrently, then one at a time (the
+global scope drafting from the first wave), equal ``LLM(...)`` without
+speculation; then the load test of benchmarks/load_test.py: 200 mixed
+requests at once (completions and chat, streamed and not, logprobs, stop
+strings, EOS allowed, per-request options, seeded ``n=2``), every greedy
+answer identical to a server without speculation, then dropped streams,
+abandoned requests and bad input beside a second wave that is still exact,
+and afterwards no request, KV block or drafter state left. The ``dsbd``
+server and its beam search: test_server_beam_search.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,72 +27,45 @@ from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, make_prompts
 from test_lookup_tree_engine import LOOKUP, MAX_TOKENS, greedy
 from test_sampling_engine import ADED
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import load_test
+
 STARTUP_SECONDS = 300
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+#: The tree servers' KV cache: 4k tokens of the tiny model, fewer than the
+#: load test's 200 requests hold at once, so vLLM preempts some of them.
+SMALL_KV_CACHE_BYTES = 4 << 20
+MCSD = {"method": "mcsd", "num_speculative_tokens": 3, "max_nodes": 12, "k_config": [2, 2]}
+#: per-request options some of the load test's requests send (valid for every method above)
+XARGS = {"num_speculative_tokens": 2, "max_nodes": 6}
+LOAD_REQUESTS = 200
+FAULTS = 8
 
 
 @contextmanager
 def running_server(model: str, speculative_config: dict | None, log_path: Path, *args: str) -> Iterator[str]:
-    """``vllm-specbeam serve`` in a subprocess; yields its URL once healthy."""
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_specbeam.adapter.cli",
-        "serve",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--seed",
-        "0",
-        "--kv-cache-memory-bytes",
-        str(KV_CACHE_BYTES),
-        *(["--speculative-config", json.dumps(speculative_config)] if speculative_config else []),
-        *args,
-    ]
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + STARTUP_SECONDS
-        try:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
-                try:
-                    if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"server did not start in {STARTUP_SECONDS} s; see {log_path}")
-                time.sleep(2)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    """A test server (float32, the tests' context length and KV cache, unless ``args``
+    say otherwise); yields its URL."""
+    common = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
+    common += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+    with load_test.running_server(
+        model, speculative_config, log_path, *common, *args, startup_seconds=STARTUP_SECONDS
+    ) as server:
+        yield server.url
 
 
 @pytest.fixture(
     scope="module",
-    params=[LOOKUP, {**LOOKUP, "scope": "global"}, ADED],
+    params=[LOOKUP, {**LOOKUP, "scope": "global"}, ADED, MCSD],
     ids=lambda spec: "-".join([spec["method"], *([spec["scope"]] if "scope" in spec else [])]),
 )
-def server(request, tiny_model, tmp_path_factory):
-    with running_server(tiny_model, request.param, tmp_path_factory.mktemp("server") / "server.log") as url:
+def spec(request, near_draft) -> dict:
+    return {**request.param, "model": near_draft} if request.param["method"] == "mcsd" else request.param
+
+
+@pytest.fixture(scope="module")
+def server(spec, tiny_model, tmp_path_factory):
+    small_kv = ("--kv-cache-memory-bytes", str(SMALL_KV_CACHE_BYTES))
+    with running_server(tiny_model, spec, tmp_path_factory.mktemp("server") / "server.log", *small_kv) as url:
         yield url
 
 
@@ -107,25 +80,69 @@ def test_server_greedy_equals_no_speculation(server, engines, tiny_model):
 
 def assert_greedy_equals_no_speculation(server: str, engines, tiny_model: str) -> None:
     """Ten concurrent greedy completions, then the same ten one at a time, equal LLM(...)
-    without speculation; drafts were accepted."""
+    without speculation; drafts were accepted, and ``/metrics`` counts what the runner counted:
+    the accepted tokens, per position (= per depth: each accepted path is one node a depth)."""
     prompts = make_prompts(10)
     expected = [o.outputs[0].text for o in engines.get(None).generate(prompts, greedy())]
+    runner_before, metrics_before = load_test.plugin_stats(server), accepted_metrics(server)
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         responses = list(pool.map(lambda p: complete(server, tiny_model, p), prompts))
     responses += [complete(server, tiny_model, p) for p in prompts]
     assert [r.status_code for r in responses] == [200] * 2 * len(prompts)
     assert [r.json()["choices"][0]["text"] for r in responses] == expected * 2
 
-    metrics = requests.get(f"{server}/metrics", timeout=10).text
-    drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
-    accepted = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
-    assert drafts and float(drafts[0].split()[-1]) > 0
-    assert accepted and float(accepted[0].split()[-1]) > 0
+    runner, metrics = load_test.plugin_stats(server), accepted_metrics(server)
+    accepted = runner["accepted"] - runner_before["accepted"]
+    per_position = [after - before for after, before in zip(metrics["per_position"], metrics_before["per_position"])]
+    assert runner["trees"] > runner_before["trees"] and accepted > 0
+    assert metrics["accepted"] - metrics_before["accepted"] == accepted
+    assert sum(per_position) == accepted
+    assert per_position == sorted(per_position, reverse=True), "a deeper position accepted more than a shallower one"
 
 
-def test_server_rejects_bad_per_request_option(server, tiny_model):
+def accepted_metrics(url: str) -> dict:
+    """vLLM's accepted-token counters on ``/metrics``: the total, and per position (0 first)."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    per_position: dict[int, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{"):
+            position = int(line.split('position="')[1].split('"')[0])
+            per_position[position] = per_position.get(position, 0.0) + float(line.split()[-1])
+    return {
+        "accepted": load_test.prometheus(url, "vllm:spec_decode_num_accepted_tokens_total"),
+        "per_position": [per_position[p] for p in sorted(per_position)],
+    }
+
+
+def test_server_rejects_bad_per_request_option(server, spec, tiny_model):
     bad = complete(server, tiny_model, "w1 w2 w3", vllm_xargs={"max_nodes": 64})
     assert bad.status_code == 400
-    assert "max_nodes=64 exceeds the engine's max_nodes=12" in bad.text
-    good = complete(server, tiny_model, "w1 w2 w3", vllm_xargs={"max_nodes": 4, "num_speculative_tokens": 2})
+    assert f"max_nodes=64 exceeds the engine's max_nodes={spec['max_nodes']}" in bad.text
+    good = complete(server, tiny_model, "w1 w2 w3", vllm_xargs=XARGS)
     assert good.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def load(tiny_model, tmp_path_factory) -> tuple[list[load_test.Call], list[load_test.Answer]]:
+    """The load test's workload and what a server without speculation answers (started once)."""
+    calls = load_test.workload(make_prompts(10), LOAD_REQUESTS, stops=["w5", "w17", "w42"], xargs=XARGS)
+    with running_server(tiny_model, None, tmp_path_factory.mktemp("plain") / "server.log") as url:
+        return calls, load_test.reference_answers(url, calls)
+
+
+def test_server_under_load_with_faults_and_bad_input_stays_exact(server, spec, load, tiny_model):
+    calls, reference = load
+    eos, stop = load_test.finishes(calls, reference)
+    assert eos > 0 and stop > 0, "the workload must end some greedy requests on EOS and some on a stop string"
+    report = load_test.ServerReport(spec["method"], spec)
+    bad = load_test.bad_requests(tiny_model, spec["max_nodes"], MAX_MODEL_LEN, prompt_word="w1")
+    problems = load_test.run_plugin_server(server, report, calls, reference, bad, make_prompts(10), 1, FAULTS)
+    assert problems == []
+    sampled = sum(not call.greedy for call in calls)
+    assert report.requests == 2 * LOAD_REQUESTS and report.failures == 0
+    assert report.greedy_identical == report.greedy_total == 2 * (LOAD_REQUESTS - sampled)
+    assert report.sampled_ok == 2 * sampled > 0
+    assert sorted(report.bad_handled) == sorted(b.name for b in bad)
+    assert report.faults.dropped_streams == report.faults.abandoned == FAULTS
+    assert report.preemptions > 0, "the small KV cache should have preempted requests"
+    assert report.accepted_off_first_branch > 0, "no node off a first branch was accepted: trees gained nothing"

@@ -36,6 +36,8 @@ def build_tiny_model(path: Path, seed: int = 0, mixing: float = 0.004, word_pref
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    # chat requests to the test servers: the messages' contents, space-separated
+    fast.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
     fast.save_pretrained(path)
 
     config = LlamaConfig(

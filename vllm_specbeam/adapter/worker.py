@@ -36,6 +36,17 @@ class _ByName:
 
     model_runner: GPUModelRunner
 
+    def specbeam_stats(self) -> dict[str, int | float]:
+        """The runner's counters and what the drafter and the draft runtime hold now (requests
+        with state), for a server in ``VLLM_SERVER_DEV_MODE`` (``POST /collective_rpc``)."""
+        runner = self.model_runner
+        runtime = getattr(runner, "draft_runtime", None)
+        return {
+            **runner.tree_stats,  # type: ignore[attr-defined]
+            "drafter_live_requests": runner.tree_drafter.live_requests,  # type: ignore[attr-defined]
+            "draft_runtime_live_requests": runtime.live_requests if runtime is not None else 0,
+        }
+
     def specbeam_take_stop_data(self) -> dict[str, list]:
         """``mcsd``'s labelled draft rows, for ``vllm-specbeam mcsd train`` (plain lists for the RPC)."""
         data = self.model_runner.tree_drafter.take_collected()  # type: ignore[attr-defined]

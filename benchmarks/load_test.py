@@ -1,0 +1,635 @@
+"""Load, faults and bad input against ``vllm-specbeam serve``: exact under load.
+
+A wave of mixed requests (completions and chat, streamed and not, logprobs,
+stop strings, EOS allowed, different ``max_tokens``, per-request
+``vllm_xargs``, and seeded sampled requests with ``n=2``) goes at once, with
+the official ``openai`` client, to a server without speculation and to one
+server per plugin method: every greedy answer must be identical. Each plugin
+server then gets the faults (streams dropped after a few chunks, requests
+abandoned by their clients) and bad requests (each must fail alone, with a
+4xx naming its problem) beside another wave that must still be exact; after
+every wave the server must be idle with its KV cache empty and its drafter
+and draft runtime holding no request (read through vLLM's dev-mode
+``/collective_rpc``). ``--waves N`` repeats the wave and reports the server's
+memory after each: it must stay flat. ``tests/test_server.py`` runs the same
+code on the tiny test model.
+
+    python benchmarks/load_test.py                             # SmolLM2-135M, lookup_tree and aded, 200 requests
+    python benchmarks/load_test.py --methods lookup_tree+global --requests 200 --waves 5
+
+Outputs ``OUT/load.json``, ``OUT/load.md`` and the servers' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+
+#: A greedy answer's logprobs may differ in the last bits between batch compositions; tokens may not.
+LOGPROB_TOLERANCE = 1e-3
+#: Chunks a dropped stream reads before its client hangs up.
+CHUNKS_BEFORE_DISCONNECT = 2
+
+
+# ------------------------------------------------------------------ servers
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+
+@contextmanager
+def running_server(
+    model: str,
+    speculative_config: dict | None,
+    log_path: Path,
+    *args: str,
+    startup_seconds: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> Iterator[Server]:
+    """``vllm-specbeam serve MODEL`` in a subprocess (dev mode on, for
+    ``/collective_rpc``); yields it once ``/health`` answers."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_specbeam.adapter.cli",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *(["--speculative-config", json.dumps(speculative_config)] if speculative_config else []),
+        *args,
+    ]
+    environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup_seconds
+        try:
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
+                try:
+                    if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"server did not start in {startup_seconds:.0f} s; see {log_path}")
+                time.sleep(2)
+            yield Server(url, process.pid)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def prometheus(url: str, name: str) -> float:
+    """A metric of ``/metrics`` summed over its label sets."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def plugin_stats(url: str) -> dict[str, float]:
+    """The tree runner's counters and live state (``TreeCPUWorker.specbeam_stats``), first worker."""
+    response = requests.post(f"{url}/collective_rpc", json={"method": "specbeam_stats"}, timeout=60)
+    response.raise_for_status()
+    return response.json()["results"][0]
+
+
+def served_model(url: str) -> str:
+    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def wait_idle(url: str, timeout: float = 120.0) -> dict[str, float]:
+    """Wait until no request runs or waits and the KV cache is empty (aborts
+    reach the engine a moment after their clients leave); returns the figures."""
+    deadline = time.monotonic() + timeout
+    while True:
+        figures = {
+            "running": prometheus(url, "vllm:num_requests_running"),
+            "waiting": prometheus(url, "vllm:num_requests_waiting"),
+            "kv_cache_usage": prometheus(url, "vllm:kv_cache_usage_perc"),
+        }
+        if not any(figures.values()) or time.monotonic() > deadline:
+            return figures
+        time.sleep(1.0)
+
+
+def process_tree_rss_mib(pid: int) -> float:
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+
+
+# ----------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class Call:
+    """One request of the workload, as the client sends it."""
+
+    chat: bool
+    stream: bool
+    prompt: str
+    max_tokens: int
+    logprobs: bool
+    stop: tuple[str, ...]
+    #: per-request plugin options (``vllm_xargs``); only sent to plugin servers
+    xargs: dict[str, Any] | None
+    #: sampled (temperature 0.8, ``n=2``) with this seed; greedy when None
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.seed is None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What came back: one text and finish reason per choice, and the chosen
+    tokens' logprobs of the first choice (empty without ``logprobs``)."""
+
+    texts: tuple[str, ...]
+    finish_reasons: tuple[str | None, ...]
+    logprobs: tuple[float, ...] = ()
+
+    def same_as(self, other: Answer) -> bool:
+        """Identical tokens and finish reasons; logprobs within :data:`LOGPROB_TOLERANCE`."""
+        return (
+            self.texts == other.texts
+            and self.finish_reasons == other.finish_reasons
+            and len(self.logprobs) == len(other.logprobs)
+            and all(math.isclose(a, b, abs_tol=LOGPROB_TOLERANCE) for a, b in zip(self.logprobs, other.logprobs))
+        )
+
+
+def workload(
+    prompts: Sequence[str], count: int, stops: Sequence[str], xargs: dict[str, Any], seed: int = 0
+) -> list[Call]:
+    """``count`` calls cycling through the prompts: chat or completion, streamed or not,
+    with logprobs, a stop string, lowered plugin options, or sampled with ``n=2``, mixed."""
+    rng = random.Random(seed)
+    calls = []
+    for index in range(count):
+        calls.append(
+            Call(
+                chat=index % 4 >= 2,
+                stream=index % 2 == 1,
+                prompt=prompts[index % len(prompts)],
+                max_tokens=rng.choice([8, 16, 24, 32, 48]),
+                logprobs=index % 3 == 0,
+                stop=(rng.choice(stops),) if index % 5 == 1 else (),
+                xargs=dict(xargs) if index % 7 == 3 else None,
+                seed=index if index % 10 == 9 else None,
+            )
+        )
+    return calls
+
+
+def _body(call: Call, model: str, plugin: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": call.max_tokens,
+        "temperature": 0.0 if call.greedy else 0.8,
+        "stream": call.stream,
+        "extra_body": {"ignore_eos": False, **({"vllm_xargs": call.xargs} if plugin and call.xargs else {})},
+    }
+    if call.stop:
+        body["stop"] = list(call.stop)
+    if not call.greedy:
+        body.update(n=2, seed=call.seed)
+    if call.chat:
+        body["messages"] = [{"role": "user", "content": call.prompt}]
+        if call.logprobs:
+            body.update(logprobs=True, top_logprobs=2)
+    else:
+        body["prompt"] = call.prompt
+        if call.logprobs:
+            body["logprobs"] = 2
+    return body
+
+
+async def send(client: Any, model: str, call: Call, plugin: bool) -> Answer:
+    """One call through the openai client, streamed chunks joined per choice."""
+    body = _body(call, model, plugin)
+    endpoint = client.chat.completions if call.chat else client.completions
+    response = await endpoint.create(**body)
+    chunks = [chunk async for chunk in response] if call.stream else [response]
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    logprobs: list[float] = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            text = (choice.delta.content if call.stream else choice.message.content) if call.chat else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + (text or "")
+            if choice.finish_reason is not None or choice.index not in reasons:
+                reasons[choice.index] = choice.finish_reason
+            if choice.index == 0 and choice.logprobs is not None:
+                if call.chat:
+                    logprobs += [entry.logprob for entry in choice.logprobs.content or []]
+                else:
+                    logprobs += list(choice.logprobs.token_logprobs or [])
+    order = sorted(texts)
+    return Answer(tuple(texts[i] for i in order), tuple(reasons[i] for i in order), tuple(logprobs))
+
+
+def client_for(url: str, timeout: float = 600.0) -> Any:
+    from openai import AsyncOpenAI
+
+    # No retries: a failed request must show as a failure, not be sent again.
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+
+async def wave(url: str, calls: Sequence[Call], plugin: bool) -> list[Answer | BaseException]:
+    """Every call at once; an exception in place of each failed one."""
+    client = client_for(url)
+    model = served_model(url)
+    try:
+        return await asyncio.gather(*(send(client, model, call, plugin) for call in calls), return_exceptions=True)
+    finally:
+        await client.close()
+
+
+# ------------------------------------------------------------------- faults
+@dataclass
+class Faults:
+    """Requests whose clients left early: how many, and that they did."""
+
+    dropped_streams: int = 0
+    abandoned: int = 0
+
+
+async def drop_streams(url: str, prompts: Sequence[str], count: int) -> int:
+    """Streams closed by their clients after a few chunks (long ``max_tokens``, EOS ignored)."""
+    client = client_for(url)
+    model = served_model(url)
+
+    async def one(prompt: str) -> int:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=200, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+        )
+        read = 0
+        async for _ in stream:
+            read += 1
+            if read == CHUNKS_BEFORE_DISCONNECT:
+                break
+        await stream.close()
+        return int(read == CHUNKS_BEFORE_DISCONNECT)
+
+    try:
+        return sum(await asyncio.gather(*(one(prompts[i % len(prompts)]) for i in range(count))))
+    finally:
+        await client.close()
+
+
+async def abandon_requests(url: str, prompts: Sequence[str], count: int, after_seconds: float = 0.5) -> int:
+    """Non-streamed requests whose clients time out and hang up before the answer."""
+    from openai import APITimeoutError
+
+    client = client_for(url, timeout=after_seconds)
+    model = served_model(url)
+
+    async def one(prompt: str) -> int:
+        try:
+            await client.completions.create(
+                model=model, prompt=prompt, max_tokens=400, temperature=0.0, extra_body={"ignore_eos": True}
+            )
+        except APITimeoutError:
+            return 1
+        return 0
+
+    try:
+        return sum(await asyncio.gather(*(one(prompts[i % len(prompts)]) for i in range(count))))
+    finally:
+        await client.close()
+
+
+# ---------------------------------------------------------------- bad input
+@dataclass(frozen=True)
+class BadRequest:
+    """A request that must fail alone, with a 4xx whose message contains ``expect``."""
+
+    name: str
+    body: dict[str, Any]
+    expect: str
+
+
+def bad_requests(model: str, engine_max_nodes: int, max_model_len: int, prompt_word: str) -> list[BadRequest]:
+    """One of each kind of bad input; ``prompt_word`` is a word the tokenizer reads as one token."""
+    base = {"model": model, "prompt": prompt_word, "max_tokens": 4, "temperature": 0.0}
+    too_many_nodes = min(engine_max_nodes + 1, 128)
+    return [
+        BadRequest("vllm_xargs not an object", {**base, "vllm_xargs": "max_nodes=4"}, "vllm_xargs"),
+        BadRequest("option of the wrong type", {**base, "vllm_xargs": {"max_nodes": "four"}}, "must be an int"),
+        BadRequest("option out of range", {**base, "vllm_xargs": {"num_speculative_tokens": 0}}, "must be in [1, 32]"),
+        BadRequest(
+            "option above the engine's",
+            {**base, "vllm_xargs": {"max_nodes": too_many_nodes}},
+            f"max_nodes={too_many_nodes} exceeds the engine's",
+        ),
+        BadRequest("another method's option", {**base, "vllm_xargs": {"beam_width": 2}}, "belongs to ['mjsd']"),
+        BadRequest("misspelt option", {**base, "vllm_xargs": {"max_node": 4}}, "did you mean 'max_nodes'"),
+        BadRequest(
+            "prompt longer than max_model_len",
+            {**base, "prompt": " ".join([prompt_word] * (max_model_len + 8))},
+            "maximum context length",
+        ),
+        BadRequest("max_tokens above max_model_len", {**base, "max_tokens": max_model_len + 1}, "max_tokens"),
+    ]
+
+
+def send_bad(url: str, bad: BadRequest) -> tuple[int, str]:
+    response = requests.post(f"{url}/v1/completions", json=bad.body, timeout=120)
+    return response.status_code, response.text
+
+
+# -------------------------------------------------------------------- a run
+@dataclass
+class ServerReport:
+    """One plugin server's run (what the README reports)."""
+
+    method: str
+    speculative_config: dict[str, Any]
+    requests: int = 0
+    failures: int = 0
+    greedy_identical: int = 0
+    greedy_total: int = 0
+    sampled_ok: int = 0
+    eos_finishes: int = 0
+    stop_finishes: int = 0
+    faults: Faults = field(default_factory=Faults)
+    bad_handled: dict[str, int] = field(default_factory=dict)
+    preemptions: float = 0.0
+    accepted_tokens: float = 0.0
+    accepted_off_first_branch: float = 0.0
+    idle_after_waves: list[dict[str, float]] = field(default_factory=list)
+    rss_mib_after_waves: list[float] = field(default_factory=list)
+    drafter_state_bytes_after_waves: list[float] = field(default_factory=list)
+
+
+def compare_wave(
+    report: ServerReport, calls: Sequence[Call], answers: Sequence[Answer | BaseException], reference: Sequence[Answer]
+) -> list[str]:
+    """Count the wave into the report; return one line per mismatch or failure."""
+    problems = []
+    for index, (call, answer, expected) in enumerate(zip(calls, answers, reference)):
+        report.requests += 1
+        if isinstance(answer, BaseException):
+            report.failures += 1
+            problems.append(f"call {index} failed: {type(answer).__name__}: {answer}")
+        elif call.greedy:
+            report.greedy_total += 1
+            if answer.same_as(expected):
+                report.greedy_identical += 1
+            else:
+                problems.append(f"call {index} ({call}) differs: {answer} != {expected}")
+        elif len(answer.texts) == 2:
+            report.sampled_ok += 1
+        else:
+            problems.append(f"sampled call {index} returned {len(answer.texts)} choices, not 2")
+    return problems
+
+
+def check_idle(report: ServerReport, url: str, pid: int | None) -> list[str]:
+    """The server after a wave: idle, KV empty, no per-request state left."""
+    idle = wait_idle(url)
+    stats = plugin_stats(url)
+    figures = {
+        **idle,
+        "drafter_live_requests": stats["drafter_live_requests"],
+        "draft_runtime_live_requests": stats["draft_runtime_live_requests"],
+    }
+    report.idle_after_waves.append(figures)
+    report.drafter_state_bytes_after_waves.append(stats["drafter_state_bytes"])
+    if pid is not None:
+        report.rss_mib_after_waves.append(process_tree_rss_mib(pid))
+    return [f"after a wave: {key} = {value}" for key, value in figures.items() if value]
+
+
+def run_plugin_server(
+    url: str,
+    report: ServerReport,
+    calls: Sequence[Call],
+    reference: Sequence[Answer],
+    bad: Sequence[BadRequest],
+    prompts: Sequence[str],
+    waves: int,
+    faults: int,
+    pid: int | None = None,
+) -> list[str]:
+    """The whole run against one plugin server: wave, faults with bad input beside a second
+    wave, then ``waves - 1`` more waves; returns every problem found (none: passed)."""
+    problems = compare_wave(report, calls, asyncio.run(wave(url, calls, plugin=True)), reference)
+    problems += check_idle(report, url, pid)
+
+    async def faults_beside_a_wave() -> list[Answer | BaseException]:
+        second = asyncio.create_task(wave(url, calls, plugin=True))
+        report.faults.dropped_streams, report.faults.abandoned = await asyncio.gather(
+            drop_streams(url, prompts, faults), abandon_requests(url, prompts, faults)
+        )
+        outcomes = await asyncio.gather(*(asyncio.to_thread(send_bad, url, b) for b in bad))
+        for request, (status, text) in zip(bad, outcomes):
+            if 400 <= status < 500 and request.expect in text:
+                report.bad_handled[request.name] = status
+            else:
+                problems.append(f"bad input {request.name!r}: HTTP {status}, {text[:300]}")
+        return await second
+
+    problems += compare_wave(report, calls, asyncio.run(faults_beside_a_wave()), reference)
+    if report.faults.dropped_streams != faults or report.faults.abandoned != faults:
+        problems.append(f"faults not all delivered: {report.faults} of {faults} each")
+    problems += check_idle(report, url, pid)
+    for _ in range(waves - 1):
+        problems += compare_wave(report, calls, asyncio.run(wave(url, calls, plugin=True)), reference)
+        problems += check_idle(report, url, pid)
+    if requests.get(f"{url}/health", timeout=10).status_code != 200:
+        problems.append("/health is not 200 after the run")
+    report.preemptions = prometheus(url, "vllm:num_preemptions_total")
+    report.accepted_tokens = prometheus(url, "vllm:spec_decode_num_accepted_tokens_total")
+    report.accepted_off_first_branch = plugin_stats(url)["accepted_off_first_branch"]
+    return problems
+
+
+def reference_answers(url: str, calls: Sequence[Call]) -> list[Answer]:
+    """The server without speculation answers the workload; it must not fail."""
+    answers = asyncio.run(wave(url, calls, plugin=False))
+    failed = [a for a in answers if isinstance(a, BaseException)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed on the server without speculation: {failed[0]!r}")
+    return answers  # type: ignore[return-value]
+
+
+def finishes(calls: Sequence[Call], answers: Sequence[Answer]) -> tuple[int, int]:
+    """Greedy answers that ended on EOS and on a stop string (the workload must contain both)."""
+    eos = stop = 0
+    for call, answer in zip(calls, answers):
+        if call.greedy and answer.finish_reasons[0] == "stop":
+            if call.stop:
+                stop += 1
+            else:
+                eos += 1
+    return eos, stop
+
+
+# --------------------------------------------------------------------- main
+def speculative_config(name: str, draft: str | None) -> dict[str, Any]:
+    """``method`` or ``method+global`` (``lookup_tree``'s global scope) at its defaults."""
+    method, _, scope = name.partition("+")
+    config: dict[str, Any] = {"method": method}
+    if scope:
+        config["scope"] = scope
+    if draft is not None and method in ("dsbd", "mcsd", "mjsd"):
+        config["model"] = draft
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    from compare import DEFAULT_MODEL, ENV_DEFAULTS, resolve_model
+    from prompts import load_prompts
+
+    from vllm_specbeam.core.config import parse
+
+    for key, value in ENV_DEFAULTS.items():
+        if key != "VLLM_CPU_KVCACHE_SPACE":  # the KV cache is sized by --kv-cache-memory-bytes
+            os.environ.setdefault(key, value)
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    model = resolve_model(args.model or DEFAULT_MODEL)
+    draft = resolve_model(args.draft)
+    assert model is not None
+    prompts = [p.text for p in load_prompts(args.prompts, args.num_prompts)]
+    calls = workload(prompts, args.requests, stops=["\n\n", "return", ":"], xargs=args.xargs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    server_args = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0"]
+    with running_server(model, None, out / "server-none.log", *server_args) as server:
+        reference = reference_answers(server.url, calls)
+    eos, stop = finishes(calls, reference)
+    reports, all_problems = [], {}
+    for name in args.methods:
+        config = speculative_config(name, draft)
+        engine_max_nodes = parse(config, model, model).max_nodes
+        report = ServerReport(name, config, eos_finishes=eos, stop_finishes=stop)
+        small_kv = ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
+        with running_server(model, config, out / f"server-{name}.log", *server_args, *small_kv) as server:
+            bad = bad_requests(served_model(server.url), engine_max_nodes, args.max_model_len, args.prompt_word)
+            all_problems[name] = run_plugin_server(
+                server.url, report, calls, reference, bad, prompts, args.waves, args.faults, server.pid
+            )
+        reports.append(report)
+        print(f"{name}: {len(all_problems[name])} problems", *all_problems[name][:10], sep="\n  ")
+    (out / "load.json").write_text(
+        json.dumps({"config": vars(args), "reports": [asdict(r) for r in reports], "problems": all_problems}, indent=1)
+    )
+    table = markdown(reports)
+    (out / "load.md").write_text(table)
+    print(table)
+    return 1 if any(all_problems.values()) else 0
+
+
+def markdown(reports: Sequence[ServerReport]) -> str:
+    """One row per plugin server: what was sent, what failed, what the server held afterwards."""
+    columns = (
+        "method",
+        "requests",
+        "failures",
+        "greedy identical",
+        "sampled n=2 ok",
+        "EOS / stop finishes",
+        "dropped streams",
+        "abandoned",
+        "bad inputs handled",
+        "preemptions",
+        "accepted tokens",
+        "off first branch",
+        "live requests after waves",
+        "RSS MiB after waves",
+    )
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in reports:
+        live = [int(w["drafter_live_requests"] + w["draft_runtime_live_requests"]) for w in r.idle_after_waves]
+        cells = (
+            r.method,
+            r.requests,
+            r.failures,
+            f"{r.greedy_identical}/{r.greedy_total}",
+            r.sampled_ok,
+            f"{r.eos_finishes} / {r.stop_finishes}",
+            r.faults.dropped_streams,
+            r.faults.abandoned,
+            f"{len(r.bad_handled)}",
+            f"{r.preemptions:.0f}",
+            f"{r.accepted_tokens:.0f}",
+            f"{r.accepted_off_first_branch:.0f}",
+            ", ".join(map(str, live)),
+            ", ".join(f"{m:.0f}" for m in r.rss_mib_after_waves),
+        )
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="target: path or hub name (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", default=None, help="draft model for dsbd, mcsd and mjsd")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["lookup_tree", "aded"],
+        help="plugin methods; method+global for lookup_tree's global scope",
+    )
+    parser.add_argument("--prompts", default="humaneval", help="humaneval | natural | path to JSONL with 'prompt'")
+    parser.add_argument("--num-prompts", type=int, default=40, help="distinct prompts, cycled over the requests")
+    parser.add_argument("--requests", type=int, default=200, help="requests per wave, all sent at once")
+    parser.add_argument("--waves", type=int, default=2, help="waves per server (memory reported after each)")
+    parser.add_argument("--faults", type=int, default=10, help="dropped streams and abandoned requests, each")
+    parser.add_argument(
+        "--xargs",
+        type=json.loads,
+        default={"num_speculative_tokens": 2, "max_nodes": 4},
+        help="per-request options sent with some calls (JSON)",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes", type=int, default=1 << 30, help="plugin servers' KV cache: small enough to preempt"
+    )
+    parser.add_argument("--prompt-word", default=" return", help="text of one token, repeated for the too-long prompt")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--out", default=f"results/load-{time.strftime('%Y%m%d-%H%M%S')}")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
