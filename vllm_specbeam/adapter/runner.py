@@ -418,7 +418,9 @@ class TreeRunnerMixin:
     @override
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: SpecDecodeMetadata | None) -> SamplerOutput:
         if spec_decode_metadata is None or not self._verifying:
-            return super()._sample(logits, spec_decode_metadata)
+            # No draft in this step: vLLM's sampler, as without speculation. (vLLM 0.32.0's
+            # rejection sampler given zero drafts fails on a top-k request: max() of an empty tensor.)
+            return super()._sample(logits, None)
         from vllm.v1.outputs import SamplerOutput
 
         sampling_metadata = self.input_batch.sampling_metadata
