@@ -532,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     server_args = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0"]
+    server_args += ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
     with running_server(model, None, out / "server-none.log", *server_args) as server:
         reference = reference_answers(server.url, calls)
     eos, stop = finishes(calls, reference)
@@ -540,8 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         config = speculative_config(name, draft)
         engine_max_nodes = parse(config, model, model).max_nodes
         report = ServerReport(name, config, eos_finishes=eos, stop_finishes=stop)
-        small_kv = ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
-        with running_server(model, config, out / f"server-{name}.log", *server_args, *small_kv) as server:
+        with running_server(model, config, out / f"server-{name}.log", *server_args) as server:
             bad = bad_requests(served_model(server.url), engine_max_nodes, args.max_model_len, args.prompt_word)
             all_problems[name] = run_plugin_server(
                 server.url, report, calls, reference, bad, prompts, args.waves, args.faults, server.pid
@@ -557,45 +557,45 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(all_problems.values()) else 0
 
 
+#: (title, key, digits) of the load table (:func:`metrics.markdown_table`).
+LOAD_COLUMNS = (
+    ("method", "method", 0),
+    ("requests", "requests", 0),
+    ("failures", "failures", 0),
+    ("greedy identical", "greedy", 0),
+    ("sampled n=2 ok", "sampled_ok", 0),
+    ("EOS / stop finishes", "finishes", 0),
+    ("dropped streams", "dropped", 0),
+    ("abandoned", "abandoned", 0),
+    ("bad inputs handled", "bad", 0),
+    ("preemptions", "preemptions", 0),
+    ("accepted tokens", "accepted_tokens", 0),
+    ("off first branch", "accepted_off_first_branch", 0),
+    ("live requests after waves", "live", 0),
+    ("RSS MiB after waves", "rss", 0),
+)
+
+
 def markdown(reports: Sequence[ServerReport]) -> str:
     """One row per plugin server: what was sent, what failed, what the server held afterwards."""
-    columns = (
-        "method",
-        "requests",
-        "failures",
-        "greedy identical",
-        "sampled n=2 ok",
-        "EOS / stop finishes",
-        "dropped streams",
-        "abandoned",
-        "bad inputs handled",
-        "preemptions",
-        "accepted tokens",
-        "off first branch",
-        "live requests after waves",
-        "RSS MiB after waves",
-    )
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for r in reports:
-        live = [int(w["drafter_live_requests"] + w["draft_runtime_live_requests"]) for w in r.idle_after_waves]
-        cells = (
-            r.method,
-            r.requests,
-            r.failures,
-            f"{r.greedy_identical}/{r.greedy_total}",
-            r.sampled_ok,
-            f"{r.eos_finishes} / {r.stop_finishes}",
-            r.faults.dropped_streams,
-            r.faults.abandoned,
-            f"{len(r.bad_handled)}",
-            f"{r.preemptions:.0f}",
-            f"{r.accepted_tokens:.0f}",
-            f"{r.accepted_off_first_branch:.0f}",
-            ", ".join(map(str, live)),
-            ", ".join(f"{m:.0f}" for m in r.rss_mib_after_waves),
-        )
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines) + "\n"
+    import metrics
+
+    rows = [
+        {
+            **asdict(r),
+            "greedy": f"{r.greedy_identical}/{r.greedy_total}",
+            "finishes": f"{r.eos_finishes} / {r.stop_finishes}",
+            "dropped": r.faults.dropped_streams,
+            "abandoned": r.faults.abandoned,
+            "bad": len(r.bad_handled),
+            "live": ", ".join(
+                str(int(w["drafter_live_requests"] + w["draft_runtime_live_requests"])) for w in r.idle_after_waves
+            ),
+            "rss": ", ".join(f"{m:.0f}" for m in r.rss_mib_after_waves),
+        }
+        for r in reports
+    ]
+    return metrics.markdown_table(rows, LOAD_COLUMNS)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -622,7 +622,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="per-request options sent with some calls (JSON)",
     )
     parser.add_argument(
-        "--kv-cache-bytes", type=int, default=1 << 30, help="plugin servers' KV cache: small enough to preempt"
+        "--kv-cache-bytes", type=int, default=1 << 30, help="every server's KV cache in bytes: small enough to preempt"
     )
     parser.add_argument("--prompt-word", default=" return", help="text of one token, repeated for the too-long prompt")
     parser.add_argument("--dtype", default="float32")

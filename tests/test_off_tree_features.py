@@ -1,6 +1,6 @@
 """Features off the tree path, in one batch with plain requests on a tree engine.
 
-Penalties, min-tokens and structured output depend on the tokens before each
+Penalties, min-p, logit bias, min-tokens and structured output depend on the tokens before each
 row, which a tree does not have in one sequence: the runner decodes such
 requests without speculation (``request_supports_trees``). Here they share one
 ``generate`` call with plain greedy requests, which must still be drafted and
@@ -17,8 +17,9 @@ rejection sampler cannot take with a top-k request).
 The model is the tiny random llama with JSON's characters added to its
 vocabulary, so structured output can use a JSON schema.
 
-``min_p`` and ``logit_bias`` never reach the runner: vLLM 0.32 refuses them
-with any speculative config (sampling_params.py ``_validate_spec_decode``).
+``min_p`` and ``logit_bias``, which vLLM 0.32 refuses with any speculative
+config (sampling_params.py ``_validate_spec_decode``), are allowed on plugin
+engines (patch 9 in adapter/plugin.py) and tested here like the others.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ def mixed_batch() -> list[tuple[str, object]]:
         ("repetition penalty", greedy(repetition_penalty=1.5)),
         ("seeded repetition penalty", greedy(temperature=1.0, seed=7, repetition_penalty=1.2)),
         ("min_tokens", greedy(min_tokens=MAX_TOKENS // 2, ignore_eos=False)),
+        # vLLM refuses these two with speculation; the plugin allows them off the tree (patch 9)
+        ("min_p", greedy(temperature=1.0, seed=5, min_p=0.05)),
+        ("logit_bias", greedy(logit_bias={10: 4.0})),
         ("n=2 seeded penalty", greedy(n=2, temperature=0.8, seed=11, repetition_penalty=1.2)),
         # stops at EOS once the object is closed (ignore_eos would sample past the grammar's end)
         ("json schema", greedy(ignore_eos=False, structured_outputs=StructuredOutputsParams(json=SCHEMA))),
@@ -170,14 +174,3 @@ def test_off_tree_requests_decode_exactly_without_drafts(json_engines, batch, re
     text = by_name["json schema"].outputs[0].text.replace(" ", "")
     assert text.startswith('{"a":'), text  # the grammar ran (the whole object may not fit in MAX_TOKENS)
     assert len(set(map(tuple, completions(by_name["n=2 seeded penalty"])))) == 2, "the two samples are equal"
-
-
-@pytest.mark.parametrize("kwargs", [{"min_p": 0.05, "temperature": 1.0}, {"logit_bias": {10: 4.0}}])
-def test_vllm_refuses_min_p_and_logit_bias_with_speculation(json_engines, batch, kwargs):
-    """vLLM's own check, before the runner (whose off-tree path would take them)."""
-    from vllm import SamplingParams
-    from vllm.exceptions import VLLMValidationError
-
-    llm = json_engines.get(LOOKUP)
-    with pytest.raises(VLLMValidationError, match="min_p and logit_bias sampling parameters are not yet supported"):
-        llm.generate(batch[1][:1], SamplingParams(max_tokens=4, **kwargs), use_tqdm=False)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_specbeam.core.config import SpecbeamConfig, SpecbeamConfigError
 
 if TYPE_CHECKING:
-    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.config import ParallelConfig, SpeculativeConfig, VllmConfig
     from vllm.engine.arg_utils import EngineArgs
 
 #: Where the plugin's options travel in ``VllmConfig.additional_config``.
@@ -57,6 +57,11 @@ def vllm_carrier(config: SpecbeamConfig) -> dict[str, Any]:
     and a tree needs a slot and a count for every node.
     """
     return {"method": "custom_class", "model": DRAFTER_HOST, "num_speculative_tokens": config.max_nodes}
+
+
+def is_carrier(speculative_config: SpeculativeConfig) -> bool:
+    """Whether vLLM's speculative config is :func:`vllm_carrier`'s: a plugin method runs."""
+    return speculative_config.method == "custom_class" and speculative_config.model == DRAFTER_HOST
 
 
 def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig) -> None:

@@ -140,6 +140,11 @@ ONLINE_BEAM_SEARCH = Target("vllm.entrypoints.generate.beam_search.online:BeamSe
 NUM_LOOKAHEAD_TOKENS = Target("vllm.config.vllm:VllmConfig.num_lookahead_tokens", "attribute")
 #: 8. sampling without the generators of requests whose token is discarded (adapter/cpu_generators.py)
 SAMPLE_TOKENS = Target("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens", platform="cpu")
+#: 9. ``min_p`` and ``logit_bias`` on plugin engines (their requests are never drafted): admitted,
+#: and the runner built with vLLM's built-in logits processors, which apply them
+VALIDATE_SPEC_DECODE_PARAMS = Target("vllm.sampling_params:SamplingParams._validate_spec_decode")
+RUNNER_LOGITSPROCS = Target("vllm.v1.worker.gpu_model_runner:build_logitsprocs")
+BUILTIN_LOGITSPROCS = Target("vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS", "attribute")
 
 TARGETS = (
     CREATE_SPECULATIVE_CONFIG,
@@ -158,6 +163,9 @@ TARGETS = (
     ONLINE_BEAM_SEARCH,
     NUM_LOOKAHEAD_TOKENS,
     SAMPLE_TOKENS,
+    VALIDATE_SPEC_DECODE_PARAMS,
+    RUNNER_LOGITSPROCS,
+    BUILTIN_LOGITSPROCS,
 )
 
 

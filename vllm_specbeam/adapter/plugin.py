@@ -54,8 +54,20 @@ the problems are logged, and requesting a plugin method fails with them.
    which CPU generators cannot do, is never needed
    (:mod:`vllm_specbeam.adapter.cpu_generators`). A fix for every CPU engine,
    plugin method or not, in the worker's process.
+9. ``SamplingParams._validate_spec_decode`` (vllm/sampling_params.py) and
+   ``build_logitsprocs`` as vllm/v1/worker/gpu_model_runner.py names it
+   (with ``BUILTIN_LOGITS_PROCESSORS``, vllm/v1/sample/logits_processor/__init__.py):
+   vLLM refuses ``min_p`` and ``logit_bias`` with any speculative config and
+   builds only the min-tokens logits processor, since its rejection sampler
+   cannot apply them to draft rows. The tree runner never drafts such
+   requests (``request_supports_trees``) and samples their one row a step
+   with vLLM's own sampler, so on a plugin engine they are admitted and the
+   runner is built with all built-in processors
+   (:func:`vllm_specbeam.adapter.runner.builtin_logitsprocs`; custom logits
+   processors stay refused). Admission in the API server's process, the
+   runner in the worker's.
 
-Patches 2, 5, 6 and 7 fall through to vLLM when no plugin method is configured.
+Patches 2, 5, 6, 7 and 9 fall through to vLLM when no plugin method is configured.
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_specbeam.adapter import patches
 from vllm_specbeam.adapter.engine_config import (
     configure_engine,
+    is_carrier,
     plugin_config,
     vllm_carrier,
     with_plugin_config,
@@ -100,6 +113,7 @@ def register() -> None:
     from vllm_specbeam.adapter import beam_search_server, cpu_generators, draft_model, tree_prompt
 
     patches.wrap(patches.VALIDATE_PARAMS, _validate_params)
+    patches.wrap(patches.VALIDATE_SPEC_DECODE_PARAMS, _validate_spec_decode)
     patches.wrap(patches.NUM_LOOKAHEAD_TOKENS, draft_model.lookahead)
     patches.wrap(patches.BLOCK_HASH_EXTRA_KEYS, tree_prompt.block_hash_extra_keys)
     patches.wrap(patches.ONLINE_BEAM_SEARCH, beam_search_server.patch)
@@ -189,3 +203,14 @@ def _validate_params(stock: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return _validate_params
+
+
+def _validate_spec_decode(stock: Callable[..., None]) -> Callable[..., None]:
+    """Patch 9: no ``min_p`` / ``logit_bias`` refusal on a plugin engine (the carrier config)."""
+
+    def _validate_spec_decode(self: SamplingParams, speculative_config: SpeculativeConfig | None) -> None:
+        if speculative_config is not None and is_carrier(speculative_config):
+            return
+        stock(self, speculative_config)
+
+    return _validate_spec_decode

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from typing_extensions import override
 
-from vllm_specbeam.adapter import tree_prompt
+from vllm_specbeam.adapter import patches, tree_prompt
 from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import tree_step
 from vllm_specbeam.adapter.draft_model import WorkerDraftRuntime, uses_worker_draft
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import DraftTokenIds, SamplerOutput
+    from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
@@ -89,6 +90,27 @@ class DrafterHost:
             "vllm-specbeam: the chain proposer path was reached; the engine is not running the plugin's "
             "worker (vllm_specbeam.adapter.worker), which the speculative-config patch selects"
         )
+
+
+def builtin_logitsprocs(stock: Callable[..., LogitsProcessors]) -> Callable[..., LogitsProcessors]:
+    """vLLM's ``build_logitsprocs`` with all built-in processors (min-p, logit bias,
+    min-tokens) although the engine speculates: requests that use them are never
+    drafted here, and vLLM's sampler applies them to their one row a step (patch 9)."""
+
+    def build(
+        vllm_config: VllmConfig,
+        device: torch.device,
+        is_pin_memory: bool,
+        is_pooling_model: bool,
+        custom_logitsprocs: Sequence[Any] = (),
+    ) -> LogitsProcessors:
+        if is_pooling_model or custom_logitsprocs:  # vLLM's answer (custom ones are refused with speculation)
+            return stock(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+        return LogitsProcessors(ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)
+
+    return build
 
 
 def request_supports_trees(params: SamplingParams) -> bool:
@@ -192,7 +214,8 @@ class TreeRunnerMixin:
     """Overrides of the V1 model runner; see the module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
-        super().__init__(vllm_config, device)
+        with patches.replaced(patches.RUNNER_LOGITSPROCS, builtin_logitsprocs):
+            super().__init__(vllm_config, device)
         config = plugin_config(self.vllm_config)
         if config is None:
             raise RuntimeError(
