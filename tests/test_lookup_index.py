@@ -165,3 +165,23 @@ def test_drafts_stop_at_max_tokens_and_the_index_memory_is_reported(engines) -> 
     assert accepted >= 8  # the first run's output drafted the repeat
     assert accepted + trees <= 12 - 1  # the prefill's token, then every step's
     engines.close()
+
+
+def test_drafts_stop_at_the_context_limit(engines) -> None:
+    """A repeated request 24 tokens short of ``max_model_len``, with ``max_tokens``
+    past it: the global index drafts deep, vLLM cuts what would pass the limit, and
+    the request ends there with the tokens of vLLM without speculation."""
+    from conftest import MAX_MODEL_LEN
+    from tiny_model import prompt_text
+
+    left = 24
+    words = [int(w[1:]) for w in " ".join(make_prompts(10)[6:]).split()]
+    prompt = prompt_text((words * 8)[: MAX_MODEL_LEN - left])
+    reference = token_ids(engines.get(None).generate([prompt], greedy(200)))[0]
+    assert len(reference) == left
+    llm = engines.get({**LOOKUP, "num_speculative_tokens": 8, "max_nodes": 16, "scope": "global"})
+    llm.generate([prompt], greedy(left // 2))  # indexes the first half of the answer
+    before = runner_stats(llm)
+    assert token_ids(llm.generate([prompt], greedy(200)))[0] == reference
+    assert runner_stats(llm)["accepted"] - before["accepted"] >= left // 4
+    engines.close()
