@@ -141,8 +141,15 @@ def test_schema_best_setting_and_table(tmp_path):
     assert [r["best"] for r in runs] == [True, False, True, True]
     result = synthetic_result(runs)
     metrics.validate_result(result)
-    table = metrics.offline_table(runs)
-    assert "| 1 | 0.0 | lookup_tree | d5/n16 | 14.0 | 1.40 |" in table and "d3/n8" not in table
+    # best setting per method and scenario only, the baseline first, cells rounded per column
+    assert metrics.offline_table(runs).splitlines() == [
+        "| batch | temp | method | best setting | tok/s (median) | speedup | accepted/step | acceptance "
+        "| dsbd width | steps/token | draft share | peak RSS MiB | loglik/token | exact match | pass@1 |",
+        "|" + "---|" * 15,
+        "| 1 | 0.0 | none | - | 10.0 | 1.00 | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
+        "| 1 | 0.0 | lookup_tree | d5/n16 | 14.0 | 1.40 | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
+        "| 8 | 0.0 | none | - | 30.0 | 1.00 | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
+    ]
     metrics.plot_speedup_vs_quality(runs, tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -342,6 +349,14 @@ def test_plan_runs_mcsd_settings_on_one_engine_and_the_stop_model_apart():
 
 
 # ------------------------------------------------------------ end to end
+def read_markdown_table(text: str) -> list[dict[str, str]]:
+    """The rows of the first Markdown table in ``text``, as {column title: cell}."""
+    lines = [line for line in text.split("\n\n")[0].splitlines() if line.startswith("|")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    assert set("".join(cells[1])) == {"-"}, "the second line separates the header"
+    return [dict(zip(cells[0], row, strict=True)) for row in cells[2:]]
+
+
 def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     """none + lookup_tree on the tiny model: two engine processes, greedy,
     batch sizes 1 and 2; the JSON, table and plot agree with each other."""
@@ -399,6 +414,24 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert tree["counters"]["accepted"] == tree["counters"]["tree_accepted"] > 0
         assert tree["accepted_per_step"] > 0 and tree["steps_per_output_token"] < 1
         assert tree["output_tokens"] == 3 * 24 and tree["peak_rss_mib"] > 100
-    table = (out / "table.md").read_text()
-    assert table == metrics.offline_table(result["runs"]) and "lookup_tree" in table
+    # The table: one row per method and batch size, the baseline first, and cells that
+    # agree with the JSON and with each other (the speedup is the ratio of the tok/s cells).
+    table = read_markdown_table((out / "table.md").read_text())
+    assert [(row["batch"], row["method"]) for row in table] == [
+        (str(b), m) for b in (1, 2) for m in ("none", "lookup_tree")
+    ]
+    for row in table:
+        run = runs[(row["method"], int(row["batch"]))]
+        assert row["temp"] == "0.0" and row["best setting"] == run["setting_label"]
+        assert float(row["tok/s (median)"]) == pytest.approx(run["tokens_per_s"], abs=0.05)
+        assert float(row["steps/token"]) == pytest.approx(run["steps_per_output_token"], abs=0.005)
+        assert float(row["loglik/token"]) == pytest.approx(run["mean_loglik_per_token"], abs=5e-4)
+        assert row["exact match"] == "1.00" and row["pass@1"] == "–" and row["dsbd width"] == "–"
+    for base, tree in (table[0:2], table[2:4]):
+        assert base["speedup"] == "1.00" and base["steps/token"] == "1.00" and base["accepted/step"] == "0.00"
+        assert base["best setting"] == "-" and tree["best setting"] != "-"
+        ratio = float(tree["tok/s (median)"]) / float(base["tok/s (median)"])
+        assert float(tree["speedup"]) == pytest.approx(ratio, rel=0.01, abs=0.01)
+        assert float(tree["accepted/step"]) > 0 and float(tree["steps/token"]) < 1
+        assert tree["loglik/token"] == base["loglik/token"]  # lossless greedy: the same tokens
     assert (out / "speedup_vs_quality.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,16 +1,26 @@
 """End to end: sampling with a tree method keeps the target's distribution.
 
-Many seeded requests are sampled with and without speculation; the joint
-distribution of the 2nd and 3rd generated tokens (the first ones that go
-through tree verification: the 1st comes from the prefill step) must be the
-same. Two-sample chi-square test of homogeneity at significance 0.001, with
-categories expected fewer than 5 times pooled into one. The test must also
-see that trees were drafted and accepted, or it would prove nothing.
+Many seeded requests are sampled with and without speculation, ``MAX_TOKENS``
+tokens each; the two samples must come from one law. The 1st token comes from
+the prefill step, every later one through tree verification, so the statistic
+covers the whole sampled prefix (:func:`prefix_homogeneity`): at every
+position from the 2nd on, a chi-square test of homogeneity of the token's
+marginal, and one of the token given the token before it (so a bug that keeps
+the marginals but breaks how tokens follow each other shows too); the
+smallest of these p-values times their number (Bonferroni) must exceed 0.001.
+The test must also see that trees were drafted and accepted, or it would
+prove nothing.
+
+Its power, measured with bugs planted in the verifiers (``benchmarks/planted_bugs.py``,
+``docs`` in its docstring): a skipped residual update, a reused uniform or
+target rows without top-p are each caught far below the threshold in every
+case; ``test_planted_residual_bug_is_caught`` keeps one such case in CI.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -18,13 +28,19 @@ from conftest import make_prompts
 from test_lookup_tree_engine import LOOKUP, runner_stats, token_ids
 
 ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40, "num_paths": 8}
-NUM_SAMPLES = 600
+NUM_SAMPLES = 2000
+MAX_TOKENS = 6
 ALPHA = 1e-3
+CASES = [(1.0, 1.0), (1.3, 0.9)]  # (temperature, top_p): verified rows keep several tokens
 
 
-def chi_square_homogeneity(a: Counter, b: Counter) -> float:
-    """p-value that two samples come from one categorical distribution."""
+def chi_square_statistic(a: Counter, b: Counter) -> tuple[float, int]:
+    """Pearson's statistic of the 2 x k table of two samples, and its degrees of freedom.
+
+    Categories expected fewer than 5 times in the smaller sample are pooled into one."""
     total_a, total_b = sum(a.values()), sum(b.values())
+    if not total_a or not total_b:
+        return 0.0, 0
     pooled = a + b
     keys = [k for k in pooled if pooled[k] * min(total_a, total_b) / (total_a + total_b) >= 5]
     rest = [k for k in pooled if k not in keys]
@@ -34,22 +50,77 @@ def chi_square_homogeneity(a: Counter, b: Counter) -> float:
     )
     table = table[:, table.sum(0) > 0]
     expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    statistic = ((table - expected) ** 2 / expected).sum()
-    dof = table.shape[1] - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))
+    return float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1
 
 
-def sample_pairs(llm, prompt: str, temperature: float, top_p: float = 1.0, extra_args: dict | None = None) -> Counter:
+def chi_square_p_value(statistic: float, dof: int) -> float:
+    if dof == 0:
+        return 1.0
+    half = torch.tensor([dof / 2.0, statistic / 2.0], dtype=torch.float64)
+    return float(torch.special.gammaincc(half[0], half[1]))  # the chi-square survival function
+
+
+def chi_square_homogeneity(a: Counter, b: Counter) -> float:
+    """p-value that two samples come from one categorical distribution."""
+    return chi_square_p_value(*chi_square_statistic(a, b))
+
+
+def prefix_homogeneity(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]], start: int = 1) -> float:
+    """p-value that two samples of equally long token sequences come from one law.
+
+    For every position ``i >= start``: the token's marginal, and the token
+    given the one before it (one 2 x k table per previous token, their
+    statistics and degrees of freedom added up, which is the chi-square test
+    of the pair's joint given the previous token's). Bonferroni over the
+    ``2 * (length - start)`` tests, so the result is a valid p-value however
+    the tests depend on each other.
+    """
+    length = min(len(seq) for seq in (*a, *b))
+    p_values = []
+    for i in range(start, length):
+        p_values.append(chi_square_homogeneity(Counter(s[i] for s in a), Counter(s[i] for s in b)))
+        given: dict[int, tuple[Counter, Counter]] = defaultdict(lambda: (Counter(), Counter()))
+        for side, sample in enumerate((a, b)):
+            for seq in sample:
+                given[seq[i - 1]][side][seq[i]] += 1
+        statistic, dof = 0.0, 0
+        for ours, theirs in given.values():
+            s, d = chi_square_statistic(ours, theirs)
+            statistic, dof = statistic + s, dof + d
+        p_values.append(chi_square_p_value(statistic, dof))
+    return min(1.0, len(p_values) * min(p_values))
+
+
+def sample_sequences(
+    llm,
+    prompt: str,
+    temperature: float,
+    top_p: float = 1.0,
+    extra_args: dict | None = None,
+    num_samples: int = NUM_SAMPLES,
+    max_tokens: int = MAX_TOKENS,
+) -> list[tuple[int, ...]]:
+    """``num_samples`` seeded requests (seeds 0, 1, ...) in one ``generate`` call."""
     from vllm import SamplingParams
 
     params = [
         SamplingParams(
-            temperature=temperature, top_p=top_p, seed=seed, max_tokens=3, ignore_eos=True, extra_args=extra_args
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args=extra_args,
         )
-        for seed in range(NUM_SAMPLES)
+        for seed in range(num_samples)
     ]
-    outputs = token_ids(llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False))
-    return Counter((out[1], out[2]) for out in outputs)
+    return [tuple(out) for out in token_ids(llm.generate([prompt] * num_samples, params, use_tqdm=False))]
+
+
+def sample_pairs(llm, prompt: str, temperature: float, top_p: float = 1.0, extra_args: dict | None = None) -> Counter:
+    """The joint of the 2nd and 3rd tokens of 600 seeded requests (the other modules' weaker test)."""
+    seqs = sample_sequences(llm, prompt, temperature, top_p, extra_args, num_samples=600, max_tokens=3)
+    return Counter((out[1], out[2]) for out in seqs)
 
 
 @pytest.fixture(scope="module")
@@ -57,19 +128,68 @@ def prompt() -> str:
     return make_prompts(10)[6]  # 140 words with repeated phrases: lookup and tri-grams both find drafts
 
 
+@pytest.fixture(scope="module")
+def reference(engines, prompt):
+    """Samples without speculation, per (temperature, top_p), drawn once for the module."""
+    samples: dict[tuple[float, float], list[tuple[int, ...]]] = {}
+
+    def get(temperature: float, top_p: float) -> list[tuple[int, ...]]:
+        if (temperature, top_p) not in samples:
+            drawn = sample_sequences(engines.get(None), prompt, temperature, top_p)
+            assert len(set(drawn)) > 1, "the target is deterministic: the test would prove nothing"
+            samples[temperature, top_p] = drawn
+        return samples[temperature, top_p]
+
+    return get
+
+
 @pytest.mark.parametrize("spec", [LOOKUP, ADED], ids=["lookup_tree", "aded"])
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_tree_sampling_matches_target_distribution(engines, prompt, spec, temperature, top_p):
+@pytest.mark.parametrize(("temperature", "top_p"), CASES)
+def test_tree_sampling_matches_target_distribution(engines, prompt, reference, spec, temperature, top_p):
     llm = engines.get(spec)
     before = runner_stats(llm)
-    ours = sample_pairs(llm, prompt, temperature, top_p)
+    ours = sample_sequences(llm, prompt, temperature, top_p)
     after = runner_stats(llm)
     assert after["trees"] > before["trees"] and after["accepted"] > before["accepted"]
     if spec is LOOKUP:  # few matches often make a single chain: block verification has run too
         assert after["block_verified"] > 0
-    reference = sample_pairs(engines.get(None), prompt, temperature, top_p)
-    assert len(reference) > 1, "the target is deterministic here: the test would prove nothing"
-    assert chi_square_homogeneity(ours, reference) > ALPHA
+    assert prefix_homogeneity(ours, reference(temperature, top_p)) > ALPHA
+
+
+def _plant_residual_bug(worker, planted: bool) -> None:
+    """In the worker: after a rejected draft, keep sampling from ``p`` instead of the
+    residual (tree rejection sampling keeps ``r = p``; block verification draws its
+    token from ``p``). ``planted=False`` restores the honest functions."""
+    from vllm_specbeam.core.verifiers import block, rejection
+
+    honest = getattr(rejection, "_honest", None) or (rejection.child_step, block.block_table)
+    rejection._honest = honest
+    child_step, block_table = honest
+
+    def no_residual_update(residual, draft, tokens):
+        return child_step(residual, draft, tokens)[0], residual
+
+    def stops_from_p(trees, target, row_starts):
+        table = block_table(trees, target, row_starts)
+        lengths = torch.tensor([tree.num_nodes for tree in trees])
+        positions = torch.arange(table.stops.shape[1])
+        rows = torch.as_tensor(row_starts[: len(trees)])[:, None] + torch.minimum(positions, lengths[:, None])
+        return block.BlockTable(table.ends, target.to(table.stops.dtype)[rows.to(target.device)])
+
+    rejection.child_step = no_residual_update if planted else child_step
+    block.block_table = stops_from_p if planted else block_table
+
+
+def test_planted_residual_bug_is_caught(engines, prompt, reference):
+    """The check has teeth end to end: the README's planted bug fails it by a wide margin
+    (p about 1e-24 where the old statistic, tokens 2-3 of 600 requests, gave 2e-4)."""
+    llm = engines.get(LOOKUP)
+    llm.collective_rpc(_plant_residual_bug, args=(True,))
+    try:
+        buggy = sample_sequences(llm, prompt, 1.0)
+    finally:
+        llm.collective_rpc(_plant_residual_bug, args=(False,))
+    assert prefix_homogeneity(buggy, reference(1.0, 1.0)) < ALPHA**2
 
 
 def test_seed_makes_a_sampled_request_reproducible(engines, prompt):
@@ -82,8 +202,24 @@ def test_seed_makes_a_sampled_request_reproducible(engines, prompt):
     assert first == token_ids(llm.generate([prompt], params, use_tqdm=False)) == batched
 
 
+# ---------------------------------------------------------------- the statistics themselves
+def chain_samples(
+    rows: torch.Tensor, count: int, length: int, generator: torch.Generator, bump: float = 0.0
+) -> list[tuple[int, ...]]:
+    """``count`` sequences of a Markov chain with transition ``rows`` from token 0; with ``bump``,
+    the 5th token after a 0 moves ``bump`` of its probability from token 2 to token 1."""
+    tokens = torch.zeros(count, 1, dtype=torch.int64)
+    for i in range(1, length):
+        table = rows.clone()
+        if i == 4:
+            table[0, 1], table[0, 2] = table[0, 1] + bump, table[0, 2] - bump
+        step = torch.multinomial(table[tokens[:, -1]], 1, generator=generator)
+        tokens = torch.cat([tokens, step], dim=1)
+    return [tuple(seq) for seq in tokens.tolist()]
+
+
 def test_chi_square_detects_a_different_distribution():
-    """The statistic used above has power: a shifted distribution fails it."""
+    """The statistics used above have power: a shifted distribution fails them."""
     generator = torch.Generator().manual_seed(0)
     p = torch.tensor([0.5, 0.3, 0.2])
     q = torch.tensor([0.4, 0.3, 0.3])
@@ -92,3 +228,20 @@ def test_chi_square_detects_a_different_distribution():
     same = Counter(torch.multinomial(p, NUM_SAMPLES, True, generator=generator).tolist())
     assert chi_square_homogeneity(a, b) < ALPHA
     assert chi_square_homogeneity(a, same) > ALPHA
+
+
+def test_prefix_statistic_is_calibrated_and_sees_deep_positions():
+    """Same law: no more small p-values than uniform ones would give (no false alarms
+    from the many small tables); a shift of one transition at the 5th token only is found."""
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.distributions.Dirichlet(torch.full((6,), 0.5)).sample((6,))
+    rows[0] = torch.tensor([0.3, 0.25, 0.25, 0.1, 0.05, 0.05])
+    p_values = [
+        prefix_homogeneity(*(chain_samples(rows, 300, MAX_TOKENS, generator) for _ in range(2))) for _ in range(100)
+    ]
+    assert sum(p < 0.1 for p in p_values) / len(p_values) < 0.2
+    assert min(p_values) > ALPHA
+    honest = chain_samples(rows, NUM_SAMPLES, MAX_TOKENS, generator)
+    shifted = chain_samples(rows, NUM_SAMPLES, MAX_TOKENS, generator, bump=0.2)
+    assert prefix_homogeneity(honest, shifted) < ALPHA
+    assert prefix_homogeneity(honest, chain_samples(rows, NUM_SAMPLES, MAX_TOKENS, generator)) > ALPHA

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from vllm_specbeam.core.tree import ROOT, DraftTree
-from vllm_specbeam.core.verifiers import rejection
+from vllm_specbeam.core.verifiers import block, rejection
 from vllm_specbeam.core.verifiers.base import TreeVerifier
-from vllm_specbeam.core.verifiers.block import BlockVerifier, block_table
+from vllm_specbeam.core.verifiers.block import BlockVerifier
 from vllm_specbeam.core.verifiers.rejection import RejectionTreeVerifier, acceptance_table, child_step
 
 ATOL = 1e-9
@@ -159,7 +159,7 @@ def rejection_commits(tree: DraftTree, p: ToyModel, without_replacement: bool) -
 
 def block_commits(tree: DraftTree, p: ToyModel) -> Dist:
     """Exact law of the committed tokens, composed from the verifier's block table."""
-    table = block_table([tree], target_rows(tree, p), np.array([0]))
+    table = block.block_table([tree], target_rows(tree, p), np.array([0]))
     ends, stops = table.ends[0].numpy(), table.stops[0].numpy()
     out: Dist = defaultdict(float)
     for tau in range(tree.num_nodes + 1):
@@ -290,19 +290,53 @@ def test_repeated_sibling_is_skipped_or_never_accepted() -> None:
 
 
 # ---------------------------------------------------------------- the check has teeth
-def test_planted_bug_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A variant that forgets the residual update must fail the same enumeration."""
-    p, q = ToyModel(8, 4), ToyModel(108, 4)
-    trees = sampled_trees(q, [2], "iid")
-    assert_exact(mixture(trees, lambda t: rejection_commits(t, p, False)), p, 1)
+def no_residual_update(residual: torch.Tensor, draft: torch.Tensor, tokens: torch.Tensor):
+    """Planted bug: after a rejection the next sibling and the target's token still see ``p``."""
+    accept, _ = child_step(residual, draft, tokens)
+    return accept, residual
 
-    def no_residual_update(residual: torch.Tensor, draft: torch.Tensor, tokens: torch.Tensor):
-        accept, _ = child_step(residual, draft, tokens)
-        return accept, residual
 
-    monkeypatch.setattr(rejection, "child_step", no_residual_update)
-    buggy = mixture(trees, lambda t: rejection_commits(t, p, False))
-    assert next_tokens_error(buggy, p, 1) > 1e-3
+def accept_with_r(residual: torch.Tensor, draft: torch.Tensor, tokens: torch.Tensor):
+    """Planted bug: accept with ``r(x)`` instead of ``min(1, r(x) / q(x))`` (right for point masses only)."""
+    _, after = child_step(residual, draft, tokens)
+    drawable = draft.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) > 0
+    return residual.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * drawable, after
+
+
+@pytest.mark.parametrize(
+    ("bug", "law", "without_replacement"),
+    [
+        (no_residual_update, "iid", False),
+        (no_residual_update, "wor", True),
+        (accept_with_r, "iid", False),
+        (accept_with_r, "wor", True),
+    ],
+)
+def test_planted_bug_is_detected(monkeypatch: pytest.MonkeyPatch, bug, law: str, without_replacement: bool) -> None:
+    """Variants that forget the residual update, or accept drafts at the wrong rate, fail the
+    same enumeration by far more than its tolerance."""
+    p, q = ToyModel(8, 4), ToyModel(108, 4, zeros=0)
+    trees = sampled_trees(q, [2], law)
+    assert_exact(mixture(trees, lambda t: rejection_commits(t, p, without_replacement)), p, 2)
+    monkeypatch.setattr(rejection, "child_step", bug)
+    buggy = mixture(trees, lambda t: rejection_commits(t, p, without_replacement))
+    assert next_tokens_error(buggy, p, 1) > 1e-2
+
+
+def test_planted_block_residual_bug_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block verification drawing the target's token from ``p`` instead of its residual."""
+    p, q = ToyModel(12, 4), ToyModel(112, 4)
+    trees = sampled_trees(q, [1, 1], "iid")
+    assert_exact(mixture(trees, lambda t: block_commits(t, p)), p, 3)
+    honest = block.block_table
+
+    def stops_from_p(trees, target, row_starts):
+        table = honest(trees, target, row_starts)
+        rows = np.minimum(np.arange(table.stops.shape[1]), trees[0].num_nodes)
+        return block.BlockTable(table.ends, target[torch.as_tensor(rows)].unsqueeze(0).to(table.stops.dtype))
+
+    monkeypatch.setattr(block, "block_table", stops_from_p)
+    assert next_tokens_error(mixture(trees, lambda t: block_commits(t, p)), p, 1) > 1e-2
 
 
 @pytest.mark.parametrize("law", ["iid", "independent-models"])
@@ -435,6 +469,30 @@ def test_block_sampler_matches_its_exact_law() -> None:
     chain = DraftTree(chain.tokens, chain.parents, draft_rows(chain, q, conditional=False))
     counts = sample_commits(BlockVerifier(), chain, p, 20000, seed=2)
     assert chi_square_p_value(counts, block_commits(chain, p), 20000) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("module", [rejection, block], ids=["rejection", "block"])
+def test_sampler_check_catches_a_reused_uniform(monkeypatch: pytest.MonkeyPatch, module) -> None:
+    """Planted bug the tables cannot show: the target's token drawn with the uniform that
+    already decided the first draft. The sampler's chi-square test fails by far."""
+    p, q = ToyModel(45, 4, zeros=0), ToyModel(145, 4, zeros=0)
+    chain = DraftTree.chain([1, 0])  # every accept/end probability well inside (0, 1)
+    chain = DraftTree(chain.tokens, chain.parents, draft_rows(chain, q, conditional=False))
+    draw = module.draw_uniforms
+
+    def one_too_few(counts, generators, device):
+        out = draw(counts, generators, device)
+        for u in out:
+            u[-1] = u[0]
+        return out
+
+    monkeypatch.setattr(module, "draw_uniforms", one_too_few)
+    if module is rejection:
+        verifier, law = RejectionTreeVerifier(), rejection_commits(chain, p, True)
+    else:
+        verifier, law = BlockVerifier(), block_commits(chain, p)
+    counts = sample_commits(verifier, chain, p, 20000, seed=2)
+    assert chi_square_p_value(counts, law, 20000) < 1e-8
 
 
 @pytest.mark.parametrize("verifier", [RejectionTreeVerifier(), BlockVerifier()], ids=["rejection", "block"])
