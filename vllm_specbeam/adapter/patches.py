@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -55,8 +56,14 @@ class Target:
 
     @property
     def source(self) -> str:
-        """The vLLM source file the symbol is read from (as in vLLM 0.32.0)."""
-        return self.module.replace(".", "/") + ".py"
+        """The vLLM source file the symbol is read from (as in vLLM 0.32.0): ``a/b.py``,
+        or ``a/b/__init__.py`` for a package."""
+        path = self.module.replace(".", "/")
+        try:
+            package = importlib.util.find_spec(self.module).submodule_search_locations is not None  # type: ignore[union-attr]
+        except (ImportError, AttributeError, ValueError):
+            package = False
+        return f"{path}/__init__.py" if package else f"{path}.py"
 
     def locate(self) -> tuple[Any, str, Any]:
         """``(owner, name, value)``: ``getattr(owner, name)`` is the symbol.
