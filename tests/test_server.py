@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import load_test
 
 STARTUP_SECONDS = 300
-#: The tree servers' KV cache: 4k tokens of the tiny model, fewer than the
+#: The tree servers' KV cache: 2k tokens of the tiny model, far fewer than the
 #: load test's 200 requests hold at once, so vLLM preempts some of them.
-SMALL_KV_CACHE_BYTES = 4 << 20
+SMALL_KV_CACHE_BYTES = 2 << 20
 MCSD = {"method": "mcsd", "num_speculative_tokens": 3, "max_nodes": 12, "k_config": [2, 2]}
 #: per-request options some of the load test's requests send (valid for every method above)
 XARGS = {"num_speculative_tokens": 2, "max_nodes": 6}
