@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import load_test
 
 STARTUP_SECONDS = 300
-#: The tree servers' KV cache: 2k tokens of the tiny model, far fewer than the
-#: load test's 200 requests hold at once, so vLLM preempts some of them.
-SMALL_KV_CACHE_BYTES = 2 << 20
+#: The tree servers' KV cache: 2k tokens, far fewer than the load test's 200
+#: requests hold at once, so vLLM preempts some of them. The tiny model's K/V
+#: take 1 KiB a token, and as much again for a draft in the same cache.
+SMALL_KV_TOKENS = 2048
 MCSD = {"method": "mcsd", "num_speculative_tokens": 3, "max_nodes": 12, "k_config": [2, 2]}
 #: per-request options some of the load test's requests send (valid for every method above)
 XARGS = {"num_speculative_tokens": 2, "max_nodes": 6}
@@ -64,7 +65,7 @@ def spec(request, near_draft) -> dict:
 
 @pytest.fixture(scope="module")
 def server(spec, tiny_model, tmp_path_factory):
-    small_kv = ("--kv-cache-memory-bytes", str(SMALL_KV_CACHE_BYTES))
+    small_kv = ("--kv-cache-memory-bytes", str(SMALL_KV_TOKENS * 1024 * (2 if "model" in spec else 1)))
     with running_server(tiny_model, spec, tmp_path_factory.mktemp("server") / "server.log", *small_kv) as url:
         yield url
 
