@@ -188,6 +188,35 @@ def plugin_methods() -> dict[str, Any]:
     return dict(METHODS)
 
 
+def tree_sweep(
+    method: Any, grid: list[tuple[int, int]], user: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[Setting]]:
+    """A tree method's engine sizes and its sweep: the fixed (depth, nodes) points
+    of ``grid`` per request, led by the per-step budget at the method's defaults
+    (``auto``) where the method has one. The engine is started at the largest
+    of them (per-request options may only lower it)."""
+    from vllm_specbeam.core.config import AUTO
+
+    options = method.options()
+    defaults = {key: spec.default for key, spec in options.items()}
+    defaults.update(method.drafter_class().defaults_for(user or {}))
+    if not method.prunable:
+        grid = grid or [(defaults["num_speculative_tokens"], defaults["max_nodes"])]
+    sizes = [{"num_speculative_tokens": d, "max_nodes": n} for d, n in grid]
+    fixed = [Setting(f"d{d}/n{n}", dict(size), dict(size)) for (d, n), size in zip(grid, sizes)]
+    depth = max([defaults["num_speculative_tokens"], *(d for d, _ in grid)])
+    if not method.prunable:
+        return {"num_speculative_tokens": depth, "max_nodes": max(n for _, n in grid)}, fixed
+    auto = {
+        "num_speculative_tokens": defaults["num_speculative_tokens"],
+        "max_nodes": AUTO,
+        "auto_max_nodes": defaults["auto_max_nodes"],
+    }
+    cap = max([defaults["auto_max_nodes"], *(n for _, n in grid)])
+    sizes = {"num_speculative_tokens": depth, "max_nodes": AUTO, "auto_max_nodes": cap}
+    return sizes, [Setting("auto", dict(auto), dict(auto)), *fixed]
+
+
 def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[EngineSpec]]:
     """Which engines to start, and why each skipped method is skipped."""
     wanted = None if args.methods == ["all"] else set(args.methods)
@@ -240,21 +269,10 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         if method.needs_draft_model and not args.draft:
             status[name] = MethodStatus("plugin", "skipped", "needs --draft")
             continue
-        grid = TREE_GRID[args.sweep] or [
-            (method.options()["num_speculative_tokens"].default, method.options()["max_nodes"].default)
-        ]
-        depth, nodes = max(d for d, _ in grid), max(n for _, n in grid)
-        config = {"method": name, "num_speculative_tokens": depth, "max_nodes": nodes}
+        sizes, settings = tree_sweep(method, TREE_GRID[args.sweep])
+        config = {"method": name, **sizes}
         if method.needs_draft_model:
             config.update(model=args.draft_path, draft_dtype=args.draft_dtype)
-        settings = [
-            Setting(
-                f"d{d}/n{n}",
-                {"num_speculative_tokens": d, "max_nodes": n},
-                extra_args={"num_speculative_tokens": d, "max_nodes": n},
-            )
-            for d, n in grid
-        ]
         if name == "mcsd":
             config, settings = mcsd_plan(config, args.sweep)
         if name == "mjsd":
@@ -297,21 +315,8 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             engines.append(EngineSpec(DSBD_CHAIN, DSBD_CHAIN, "plugin", chain_config, chain_settings))
         if name == "lookup_tree" and (wanted is None or LOOKUP_GLOBAL in wanted):
             status[LOOKUP_GLOBAL] = MethodStatus("plugin")
-            grid = GLOBAL_GRID[args.sweep]
-            global_config = {
-                **config,
-                "num_speculative_tokens": max(d for d, _ in grid),
-                "max_nodes": max(n for _, n in grid),
-                "scope": "global",
-            }
-            global_settings = [
-                Setting(
-                    f"d{d}/n{n}",
-                    {"num_speculative_tokens": d, "max_nodes": n},
-                    {"num_speculative_tokens": d, "max_nodes": n},
-                )
-                for d, n in grid
-            ]
+            global_sizes, global_settings = tree_sweep(method, GLOBAL_GRID[args.sweep], {"scope": "global"})
+            global_config = {**config, **global_sizes, "scope": "global"}
             engines.append(EngineSpec("lookup_tree-global", LOOKUP_GLOBAL, "plugin", global_config, global_settings))
         if name == "aded" and args.trigram:
             # The same method started from a corpus matrix, as its own row.
@@ -424,6 +429,7 @@ def worker(job_path: Path) -> None:
     llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
     state_bytes: int | None = None  # the drafter's cross-request memory after the last run
+    step_cost: dict[str, float] = {}  # the step budget's fitted cost line after the last run
 
     def counters() -> dict[str, Any]:
         nonlocal state_bytes
@@ -432,6 +438,7 @@ def worker(job_path: Path) -> None:
         tree = llm.collective_rpc(_read_tree_stats)[0]
         if tree is not None:
             state_bytes = tree.pop(STATE_BYTES)
+            step_cost.update({key: tree.pop(key) for key in ("step_cost_intercept_s", "step_cost_per_row_s")})
             values.update({f"tree_{key}": value for key, value in tree.items()})
         if speculative_search.cache_info().currsize:
             stats = speculative_search().stats  # rounds are target passes; steps are tokens per beam
@@ -497,6 +504,7 @@ def worker(job_path: Path) -> None:
                 )
                 record["wall_s"].append(wall)
                 record["drafter_state_bytes"] = state_bytes
+                record["step_cost"] = dict(step_cost)
                 record["output_tokens_runs"].append(sum(map(len, outputs)))
                 record["counters"] = {
                     key: _add(record["counters"].get(key, [] if isinstance(value, list) else 0), value)
@@ -924,6 +932,8 @@ def assemble(
                     "acceptance_rate": figures.acceptance_rate,
                     "mean_width": metrics.ratio(counters.get("tree_beam_width_sum"), counters.get("tree_beam_depths")),
                     "mean_depth": metrics.ratio(counters.get("tree_depth_sum"), counters.get("tree_trees")),
+                    "nodes_per_tree": metrics.ratio(counters.get("tree_nodes"), counters.get("tree_trees")),
+                    "step_cost": record.get("step_cost"),
                     "draft_forwards_per_token": metrics.ratio(counters.get("tree_draft_forwards"), output_tokens),
                     "off_argmax_per_token": metrics.ratio(counters.get("tree_accepted_off_argmax"), output_tokens),
                     "drafter_state_bytes": record.get("drafter_state_bytes"),

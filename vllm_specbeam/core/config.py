@@ -38,9 +38,19 @@ class Option:
     choices: tuple[Any, ...] | None = None
     #: False for options that shape engine-wide state (files, models)
     per_request: bool = True
+    #: also takes :data:`AUTO` (then the default may be it; other values are ints)
+    auto: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        kind = type(self.default)
+        if value == AUTO:
+            if self.auto:
+                return value
+            raise SpecbeamConfigError(
+                f"option {name!r} cannot be {AUTO!r} for this method (only methods whose trees the "
+                f"per-step budget may cut take it: {sorted(m for m, e in METHODS.items() if e.prunable)}); "
+                f"give a number"
+            )
+        kind = int if self.auto else type(self.default)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not kind:
@@ -55,11 +65,32 @@ class Option:
         return value
 
 
+#: ``"max_nodes": "auto"``: each step's nodes chosen by :mod:`vllm_specbeam.core.budget`
+AUTO = "auto"
+
 #: Options every tree method has.
 TREE_OPTIONS: dict[str, Option] = {
     "num_speculative_tokens": Option(4, "draft depth: tokens along one branch", 1, 32),
     "max_nodes": Option(16, "node budget of one draft tree (all branches together)", 1, 128),
 }
+#: Options of methods whose trees the per-step budget may cut.
+BUDGET_OPTIONS: dict[str, Option] = {
+    "max_nodes": Option(
+        AUTO,
+        "nodes of one draft tree: auto (chosen each step from measured step costs and the request's "
+        "acceptance, up to auto_max_nodes) or a fixed number",
+        1,
+        128,
+        auto=True,
+    ),
+    "auto_max_nodes": Option(16, "most nodes the auto budget keeps in one tree (KV slots reserved per step)", 1, 128),
+}
+
+
+def node_cap(options: Mapping[str, Any]) -> int:
+    """The most nodes a tree may have under these options: ``max_nodes``, or
+    ``auto_max_nodes`` when the budget is automatic."""
+    return int(options["auto_max_nodes"] if options["max_nodes"] == AUTO else options["max_nodes"])
 
 
 def _load(target: str) -> Any:
@@ -78,6 +109,9 @@ class Method:
     greedy_verifier: str = "vllm_specbeam.core.verifiers.greedy:GreedyTreeVerifier"
     sampling_verifier: str = "vllm_specbeam.core.verifiers.rejection:RejectionTreeVerifier"
     chain_verifier: str | None = "vllm_specbeam.core.verifiers.block:BlockVerifier"
+    #: its drafts are deterministic and its verifiers take any subtree: the
+    #: per-step budget may cut them (``"max_nodes": "auto"``, the default)
+    prunable: bool = False
 
     def drafter_class(self) -> type[TreeDrafter]:
         return _load(self.drafter)
@@ -88,16 +122,18 @@ class Method:
         return _load(self.greedy_verifier)(), _load(self.sampling_verifier)(), chain
 
     def options(self) -> dict[str, Option]:
-        return {**TREE_OPTIONS, **getattr(self.drafter_class(), "OPTIONS", {})}
+        budget = BUDGET_OPTIONS if self.prunable else {}
+        return {**TREE_OPTIONS, **budget, **getattr(self.drafter_class(), "OPTIONS", {})}
 
     def check(self, options: dict[str, Any], startup: bool = False) -> dict[str, Any]:
         """Checks that involve several options at once; with ``startup``, also
         the drafter's checks of files and models (once per engine, never per
         request: per-request overrides cannot change engine-wide options)."""
-        if options["max_nodes"] < options["num_speculative_tokens"]:
+        if node_cap(options) < options["num_speculative_tokens"]:
+            name = "auto_max_nodes" if options["max_nodes"] == AUTO else "max_nodes"
             raise SpecbeamConfigError(
-                f"max_nodes={options['max_nodes']} cannot hold one branch of depth "
-                f"num_speculative_tokens={options['num_speculative_tokens']}; raise max_nodes or lower the depth"
+                f"{name}={node_cap(options)} cannot hold one branch of depth "
+                f"num_speculative_tokens={options['num_speculative_tokens']}; raise {name} or lower the depth"
             )
         drafter = self.drafter_class()
         drafter.check_options(options)
@@ -107,7 +143,7 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "lookup_tree": Method("vllm_specbeam.methods.lookup_tree.drafter:LookupTreeDrafter"),
+    "lookup_tree": Method("vllm_specbeam.methods.lookup_tree.drafter:LookupTreeDrafter", prunable=True),
     "dsbd": Method(
         "vllm_specbeam.methods.dsbd.drafter:DsbdDrafter",
         needs_draft_model=True,
@@ -123,7 +159,7 @@ METHODS: dict[str, Method] = {
         sampling_verifier="vllm_specbeam.methods.mjsd.verifier:MjsdVerifier",
         chain_verifier=None,
     ),
-    "aded": Method("vllm_specbeam.methods.aded.drafter:AdedDrafter"),
+    "aded": Method("vllm_specbeam.methods.aded.drafter:AdedDrafter", prunable=True),
 }
 
 #: Keys of vLLM's own SpeculativeConfig that the plugin forwards or uses as is.
@@ -145,7 +181,8 @@ class SpecbeamConfig:
 
     @property
     def max_nodes(self) -> int:
-        return self.options["max_nodes"]
+        """The most nodes of one tree (what vLLM reserves slots for)."""
+        return node_cap(self.options)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "options": dict(self.options), "draft_model": self.draft_model}
@@ -180,13 +217,23 @@ class SpecbeamConfig:
                 )
             options[name] = specs[name].check(name, value)
         method.check(options)
-        for name in (*TREE_OPTIONS, *method.drafter_class().CAPPED_BY_ENGINE):
-            if options[name] > self.options[name]:
+        for name in ("num_speculative_tokens", "max_nodes", *method.drafter_class().CAPPED_BY_ENGINE):
+            size, engine = options[name], self.options[name]
+            if name == "max_nodes":  # "auto" stands for its cap
+                size, engine = node_cap(options), node_cap(self.options)
+            if size > engine:
                 raise SpecbeamConfigError(
-                    f"per-request {name}={options[name]} exceeds the engine's {name}={self.options[name]}; "
+                    f"per-request {_setting(name, options)} exceeds the engine's {_setting(name, self.options)}; "
                     f"start the engine with a larger value or lower it for this request"
                 )
         return options
+
+
+def _setting(name: str, options: Mapping[str, Any]) -> str:
+    """``max_nodes=8``, or ``max_nodes=auto (auto_max_nodes=48)``: what a size check names."""
+    if name == "max_nodes" and options[name] == AUTO:
+        return f"max_nodes={AUTO} (auto_max_nodes={options['auto_max_nodes']})"
+    return f"{name}={options[name]}"
 
 
 def _reject_misdirected(method: str, name: str, specs: Mapping[str, Option]) -> None:

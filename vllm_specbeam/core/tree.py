@@ -192,6 +192,24 @@ class DraftTree:
         tree.__dict__["ancestor_mask"] = self.ancestor_mask[: n + 1, : n + 1]
         return tree
 
+    def keep(self, mask: np.ndarray) -> DraftTree:
+        """The nodes where ``mask`` holds, in their order, renumbered; the parent
+        of every kept node must be kept too.
+
+        Example: parents ``[-1, -1, 0, 1]`` and mask ``[1, 1, 0, 1]`` give
+        parents ``[-1, -1, 1]`` (old node 3 hangs from old node 1, now node 1).
+        """
+        mask = np.asarray(mask, bool)  # [num_nodes]
+        if not mask.any():
+            return DraftTree.empty()
+        parents = self.parents[mask]
+        if np.any(parents != ROOT) and not np.all(mask[parents[parents != ROOT]]):
+            raise ValueError("a kept node's parent must be kept")
+        new_index = np.cumsum(mask) - 1  # [num_nodes]: old node -> new node, where kept
+        new_parents = np.where(parents == ROOT, ROOT, new_index[np.maximum(parents, 0)])
+        probs = None if self.draft_probs is None else self.draft_probs[mask]
+        return DraftTree(self.tokens[mask], new_parents, probs)
+
     def truncate(self, num_nodes: int) -> DraftTree:
         """The first ``num_nodes`` nodes (still a tree: order is topological)."""
         probs = None if self.draft_probs is None else self.draft_probs[:num_nodes]

@@ -95,7 +95,7 @@ class LookupTreeDrafter(TreeDrafter):
     #: what ``"scope": "global"`` changes unless set: deep drafts, as deep as the match is long
     GLOBAL_DEFAULTS: ClassVar[dict[str, Any]] = {
         "num_speculative_tokens": 24,
-        "max_nodes": 48,
+        "auto_max_nodes": 48,
         "prompt_lookup_max": 24,
         "depth_factor": 1.0,
     }
@@ -106,8 +106,9 @@ class LookupTreeDrafter(TreeDrafter):
             return {}
         defaults = dict(cls.GLOBAL_DEFAULTS)
         # a smaller node budget or a longer minimum n-gram, set alone, lowers or raises its partner
-        if isinstance(user.get("max_nodes"), int):
-            defaults["num_speculative_tokens"] = min(defaults["num_speculative_tokens"], user["max_nodes"])
+        for size in ("max_nodes", "auto_max_nodes"):
+            if isinstance(user.get(size), int):
+                defaults["num_speculative_tokens"] = min(defaults["num_speculative_tokens"], user[size])
         if isinstance(user.get("prompt_lookup_min"), int):
             defaults["prompt_lookup_max"] = max(defaults["prompt_lookup_max"], user["prompt_lookup_min"])
         return defaults

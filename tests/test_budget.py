@@ -1,0 +1,293 @@
+"""The per-step node budget (``"max_nodes": "auto"``): its choice against brute
+force, its cost line, its acceptance estimates, its options, and engines whose
+outputs it never changes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from conftest import make_prompts
+from test_lookup_tree_engine import greedy, runner_stats, token_ids
+
+from vllm_specbeam.core import budget as budget_module
+from vllm_specbeam.core.budget import (
+    StepBudget,
+    StepCost,
+    StepCostModel,
+    TreeShape,
+    choose_nodes,
+    matched_nodes,
+    path_values,
+)
+from vllm_specbeam.core.config import AUTO, SpecbeamConfigError, parse
+from vllm_specbeam.core.tree import ROOT, DraftTree
+
+
+# ------------------------------------------------------------------ trees
+def test_tree_shape_and_matches_worked_examples():
+    tree = DraftTree([5, 6, 7, 8, 9], [-1, -1, 0, 0, 1])
+    shape = TreeShape.of(tree)
+    assert shape.depths == [1, 1, 2, 2, 2]
+    # sibling ranks [0, 1, 0, 1, 0]: cell = (depth - 1) x RANK_BUCKETS + rank
+    assert shape.cells == [0, 1, budget_module.RANK_BUCKETS, budget_module.RANK_BUCKETS + 1, budget_module.RANK_BUCKETS]
+    # Committed [5, 8]: node 0 matched, its children tried at depth 2, node 3 matched.
+    trials, hits = matched_nodes(tree, shape, [5, 8])
+    assert trials == [shape.cells[n] for n in (0, 1, 2, 3)]
+    assert hits == [shape.cells[n] for n in (0, 3)]
+    # Only one token committed: nothing deeper than 1 was tried.
+    assert matched_nodes(tree, shape, [6]) == ([0, 1], [1])
+
+
+def test_keep_renumbers_parents_and_refuses_orphans():
+    tree = DraftTree([1, 2, 3, 4], [-1, -1, 0, 1])
+    kept = tree.keep(np.array([True, True, False, True]))
+    assert kept.tokens.tolist() == [1, 2, 4]
+    assert kept.parents.tolist() == [-1, -1, 1]
+    assert tree.keep(np.zeros(4, bool)).num_nodes == 0
+    with pytest.raises(ValueError, match="parent must be kept"):
+        tree.keep(np.array([False, True, True, False]))
+
+
+def test_path_values_multiply_rates_along_the_path():
+    tree = DraftTree([1, 2, 3, 4], [-1, -1, 0, 2])
+    rates = np.full((budget_module.DEPTH_BUCKETS, budget_module.RANK_BUCKETS), 0.5)
+    rates[0, 0], rates[0, 1], rates[1, 0], rates[2, 0] = 0.9, 0.3, 0.8, 0.7
+    assert np.allclose(path_values(TreeShape.of(tree), rates), [0.9, 0.3, 0.72, 0.504])
+
+
+# ------------------------------------------------------------------ choice
+def random_tree(rng: np.random.Generator, nodes: int) -> DraftTree:
+    parents = [ROOT] + [int(rng.integers(-1, i)) for i in range(1, nodes)]
+    return DraftTree(rng.integers(0, 100, nodes), parents)
+
+
+def closed_subsets(trees: list[DraftTree]):
+    """Every choice of nodes, over all trees, in which each kept node's parent is kept."""
+    flat = [(t, i) for t, tree in enumerate(trees) for i in range(tree.num_nodes)]
+    for bits in itertools.product([False, True], repeat=len(flat)):
+        keep = dict(zip(flat, bits))
+        orphans = [
+            1
+            for (t, i), kept in keep.items()
+            if kept and trees[t].parents[i] != ROOT and not keep[(t, trees[t].parents[i])]
+        ]
+        if not orphans:
+            yield [np.array([keep[(t, i)] for i in range(tree.num_nodes)], bool) for t, tree in enumerate(trees)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_choice_equals_brute_force(seed):
+    """The budget's nodes give the best tokens per second of every subset of
+    nodes that still hangs from the roots, under the fitted cost."""
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(rng, int(rng.integers(1, 6))) for _ in range(2)]
+    shape = (budget_module.DEPTH_BUCKETS, budget_module.RANK_BUCKETS)
+    rates = np.minimum.accumulate(rng.uniform(0.05, 0.95, shape), axis=1)
+    values = [np.array(path_values(TreeShape.of(tree), rates)) for tree in trees]
+    cost = StepCost(intercept=float(rng.uniform(0.005, 0.05)), slope=float(rng.uniform(0.0005, 0.02)))
+    batch = 2
+
+    def speed(masks: list[np.ndarray]) -> float:
+        tokens = batch + sum(float(v[m].sum()) for v, m in zip(values, masks))
+        return tokens / float(cost.seconds(batch + sum(int(m.sum()) for m in masks)))
+
+    chosen = choose_nodes(trees, values, batch, batch, cost)
+    for tree, mask in zip(trees, chosen):
+        tree.keep(mask)  # still a tree: raises otherwise
+    best = max(speed(masks) for masks in closed_subsets(trees))
+    assert speed(chosen) == pytest.approx(best, rel=1e-12)
+
+
+def test_expensive_rows_keep_nothing_cheap_rows_keep_everything():
+    tree = DraftTree([1, 2, 3], [-1, 0, 1])
+    values = [np.array([0.6, 0.3, 0.1])]
+    assert choose_nodes([tree], values, 1, 1, StepCost(0.01, 1.0))[0].sum() == 0
+    assert choose_nodes([tree], values, 1, 1, StepCost(0.01, 0.0))[0].sum() == 3
+    # The worked example of the module docstring: C(R) = 10 + 2R ms keeps two of [0.9, 0.45, 0.2].
+    kept = choose_nodes([tree], [np.array([0.9, 0.45, 0.2])], 1, 1, StepCost(0.010, 0.002))[0]
+    assert kept.tolist() == [True, True, False]
+
+
+# ------------------------------------------------------------------ cost line
+def test_cost_model_recovers_a_known_line():
+    rng = np.random.default_rng(0)
+    model = StepCostModel()
+    for _ in range(400):
+        rows = int(rng.integers(8, 60))
+        model.observe(rows, 0.020 + 0.0005 * rows + rng.normal(0, 0.001))
+    line = model.fit()
+    assert line.intercept == pytest.approx(0.020, rel=0.1)
+    assert line.slope == pytest.approx(0.0005, rel=0.1)
+
+
+def test_cost_model_follows_a_change_of_machine_load():
+    model = StepCostModel()
+    for step in range(300):
+        rows = 8 + step % 40
+        model.observe(rows, 0.010 + 0.0002 * rows)
+    for step in range(300):
+        rows = 8 + step % 40
+        model.observe(rows, 0.030 + 0.0010 * rows)
+    assert model.fit().slope == pytest.approx(0.0010, rel=0.05)
+
+
+def test_constant_rows_still_give_a_line():
+    model = StepCostModel()
+    for _ in range(50):
+        model.observe(10, 0.02)
+    line = model.fit()
+    assert line.slope > 0 and float(line.seconds(10)) == pytest.approx(0.02, rel=0.01)
+
+
+# ------------------------------------------------------------------ the budget over steps
+def run_steps(budget: StepBudget, accept: bool, steps: int, cap: int = 8) -> list[int]:
+    """One request drafting a chain ``[1, 2, ..., cap]`` each step; the target
+    commits the chain's first 4 tokens when ``accept`` (greedy-style matching), else
+    a token no draft holds. Returns the nodes kept per step (-1: sat the step out)."""
+    kept, length = [], 100
+    for _ in range(steps):
+        ask = budget.draft_cap("r", cap)
+        if ask == 0:
+            kept.append(-1)
+            budget.observe_committed("r", [999], length + 1)
+            length += 1
+            continue
+        tree = DraftTree.chain(list(range(1, ask + 1)))
+        kept.append(budget.prune(["r"], [tree], [length], batch_size=1)[0].num_nodes)
+        committed = [1, 2, 3, 4, 5][: min(4, ask) + 1] if accept else [999]
+        budget.observe_committed("r", committed, length + len(committed))
+        length += len(committed)
+    return kept
+
+
+def test_budget_drops_to_no_draft_when_drafts_are_never_accepted():
+    budget = StepBudget()
+    budget.cost = StepCost(0.020, 0.001)  # one row costs 5% of a step
+    kept = run_steps(budget, accept=False, steps=40)
+    assert kept[0] > 0  # new engine, no history: the prior says drafts may pay
+    assert all(k <= 0 for k in kept[-20:])
+    assert kept[-20:].count(-1) >= 14  # mostly sitting out, drafting now and then to check
+
+
+def test_budget_keeps_nodes_that_are_accepted():
+    budget = StepBudget()
+    budget.cost = StepCost(0.020, 0.001)
+    kept = run_steps(budget, accept=True, steps=40)
+    assert all(k >= 4 for k in kept[-20:])
+    assert budget.rates("r")[0, 0] > 0.9
+
+
+def test_new_request_starts_from_the_engine_rates():
+    budget = StepBudget()
+    budget.cost = StepCost(0.020, 0.001)
+    run_steps(budget, accept=False, steps=30)
+    fresh = budget.draft_cap("new", 8)
+    assert fresh == 8
+    assert budget.rates("new")[0, 0] < 0.2  # learnt from "r": the engine's drafts do not pay
+
+
+def test_a_stale_tree_is_not_judged():
+    budget = StepBudget()
+    budget.draft_cap("r", 4)
+    budget.prune(["r"], [DraftTree.chain([1, 2])], [10], batch_size=1)
+    budget.observe_committed("r", [1, 2, 3], 20)  # the request moved on elsewhere (preempted, resumed)
+    assert budget.requests["r"].counts.trials.sum() == 0
+    # and the same tree judged at the right length counts
+    budget.prune(["r"], [DraftTree.chain([1, 2])], [10], batch_size=1)
+    budget.observe_committed("r", [1, 2, 3], 13)
+    assert budget.requests["r"].counts.trials.sum() == 2 and budget.requests["r"].counts.hits.sum() == 2
+
+
+# ------------------------------------------------------------------ options
+def test_auto_is_the_default_of_prunable_methods_only():
+    assert parse({"method": "lookup_tree"}).options["max_nodes"] == AUTO
+    assert parse({"method": "lookup_tree"}).max_nodes == 16
+    assert parse({"method": "lookup_tree", "scope": "global"}).max_nodes == 48
+    assert parse({"method": "aded", "auto_max_nodes": 24}).max_nodes == 24
+    assert parse({"method": "lookup_tree", "max_nodes": 8}).max_nodes == 8  # a number: a fixed budget
+    with pytest.raises(SpecbeamConfigError, match="'max_nodes' cannot be 'auto' for this method"):
+        parse({"method": "dsbd", "model": "some/draft", "max_nodes": "auto"})
+    with pytest.raises(SpecbeamConfigError, match="auto_max_nodes=3 cannot hold one branch of depth"):
+        parse({"method": "lookup_tree", "auto_max_nodes": 3})
+
+
+def test_per_request_budget_overrides():
+    auto = parse({"method": "lookup_tree"})
+    assert auto.with_overrides({"max_nodes": 4})["max_nodes"] == 4
+    with pytest.raises(SpecbeamConfigError, match=r"max_nodes=auto \(auto_max_nodes=32\) exceeds the engine's"):
+        auto.with_overrides({"auto_max_nodes": 32})
+    fixed = parse({"method": "lookup_tree", "max_nodes": 8})
+    assert fixed.with_overrides({"max_nodes": AUTO, "auto_max_nodes": 8})["max_nodes"] == AUTO
+    with pytest.raises(SpecbeamConfigError, match="exceeds the engine's max_nodes=8"):
+        fixed.with_overrides({"max_nodes": AUTO})  # auto up to 16 on an engine of 8
+
+
+# ------------------------------------------------------------------ engines
+LOOKUP_AUTO = {"method": "lookup_tree", "prompt_lookup_min": 1}
+ADED_AUTO = {"method": "aded", "iterations": 40}
+
+
+class _FixedCost(StepCostModel):
+    """A cost line that ignores the steps: what a machine with very dear rows would fit."""
+
+    def __init__(self, line: StepCost) -> None:
+        super().__init__()
+        self.line = line
+
+    def fit(self) -> StepCost:
+        return self.line
+
+
+def _plant_cost(worker, intercept: float | None = None, slope: float = 0.0) -> None:
+    """In the worker: fix the budget's cost line (``None``: fit it again from the steps).
+    Plain floats travel: vLLM's RPC serialises a dataclass into a dict."""
+    budget = worker.model_runner.budget
+    line = None if intercept is None else StepCost(intercept, slope)
+    budget.cost_model = StepCostModel() if line is None else _FixedCost(line)
+    budget.cost = line
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    return make_prompts(10)
+
+
+@pytest.fixture(scope="module")
+def reference(engines, prompts) -> list[list[int]]:
+    return token_ids(engines.get(None).generate(prompts, greedy()))
+
+
+@pytest.mark.parametrize("config", [LOOKUP_AUTO, ADED_AUTO], ids=["lookup_tree", "aded"])
+def test_auto_budget_greedy_equals_no_speculation(engines, prompts, reference, config):
+    llm = engines.get(config)
+    before = runner_stats(llm)
+    assert token_ids(llm.generate(prompts, greedy())) == reference
+    for prompt, expected in zip(prompts[:3], reference[:3]):
+        assert token_ids(llm.generate([prompt], greedy())) == [expected]
+    after = runner_stats(llm)
+    # The budget ran: it timed steps, fitted a line, was asked, kept and pruned nodes.
+    assert after["budget_asked"] > before["budget_asked"]
+    assert math.isfinite(after["step_cost_per_row_s"]) and after["step_cost_intercept_s"] > 0
+    assert after["accepted"] > before["accepted"]
+    assert 0 < after["budget_kept"] - before["budget_kept"] <= after["budget_drafted"] - before["budget_drafted"]
+    assert after["nodes"] - before["nodes"] <= after["budget_kept"] - before["budget_kept"]
+
+
+def test_dear_rows_stop_drafting_and_outputs_stay_exact(engines, prompts, reference):
+    """A planted cost line where a row costs a hundred steps: the budget keeps no
+    node, requests sit steps out, outputs are unchanged; free rows bring drafts back."""
+    llm = engines.get(LOOKUP_AUTO)
+    llm.collective_rpc(_plant_cost, args=(0.01, 1.0))
+    before = runner_stats(llm)
+    assert token_ids(llm.generate(prompts, greedy())) == reference
+    after = runner_stats(llm)
+    assert after["nodes"] == before["nodes"]  # nothing verified
+    assert after["budget_kept"] == before["budget_kept"]
+    assert after["budget_idle"] > before["budget_idle"]
+    llm.collective_rpc(_plant_cost, args=(0.01, 0.0))
+    assert token_ids(llm.generate(prompts, greedy())) == reference
+    assert runner_stats(llm)["nodes"] > after["nodes"]
+    llm.collective_rpc(_plant_cost)

@@ -1,0 +1,297 @@
+"""Each step's draft nodes, chosen from measured costs (``"max_nodes": "auto"``).
+
+A node is worth the probability that the target accepts it, which is the
+probability that its whole path is accepted. With ``c(d, r)`` the chance that
+a node at depth ``d``, ranked ``r`` among its siblings (0 = the drafter's
+favourite), is accepted when its parent was, a node is worth the product of
+``c`` along its path. A step that verifies ``R`` rows costs ``C(R)`` seconds
+and commits one token per request plus the accepted nodes, so the budget keeps
+the ``n`` most valuable nodes of the whole batch that maximise::
+
+    (requests + sum of the n best values) / C(rows without drafts + n)
+
+down to ``n = 0`` (no draft at all). Worked example: one request drafting a
+chain worth ``[0.9, 0.45, 0.2]`` with ``C(R) = 10 + 2R`` ms: n = 0 gives
+1/12 = 0.083 tokens/ms, n = 1: 1.9/14 = 0.136, n = 2: 2.35/16 = 0.147,
+n = 3: 2.55/18 = 0.142, so two nodes are kept. Values never grow down a path
+(``c <= 1``) nor along siblings (``c`` is made non-increasing in rank), so the
+``n`` best nodes always form trees hanging from the roots, siblings kept in the
+drafter's order (ties go to the earlier node: a parent before its children).
+
+``c`` is learnt per request from what the target committed after each draft:
+a node is a *trial* when its parent matched the committed tokens (or it hangs
+from the root) and the step committed that deep, a *hit* when it matched too.
+A request's rates are shrunk towards the engine-wide rates, so a new request
+starts from what the engine has seen. Pruned nodes are judged the same way,
+so a request whose drafts stopped paying notices when they pay again. Greedy
+requests accept exactly what matches; for sampled ones matching is the
+estimate (a deterministic draft token ``x`` is accepted with probability
+``p(x)``, the chance that the target samples it).
+
+``C`` is a straight line fitted to the engine's own decode steps, wall time
+against rows (:class:`StepCostModel`), so it follows the machine, the model and
+the batch. Nothing here looks at a drafted token's value or at the target's
+probabilities: a pruned tree is one its drafter could have proposed, and a
+verifier's guarantee holds for it as for any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_specbeam.core.tree import ROOT, DraftTree
+
+#: depths and sibling ranks beyond these share the last bucket
+DEPTH_BUCKETS = 8
+RANK_BUCKETS = 4
+#: a request's rate is ``(hits + PRIOR_TRIALS * engine rate) / (trials + PRIOR_TRIALS)``
+PRIOR_TRIALS = 4.0
+#: per observed tree: how much older trials still count (request, engine)
+REQUEST_DECAY = 0.97
+ENGINE_DECAY = 0.995
+#: a request whose drafts were pruned to nothing sits out 1, 3, 7 steps before drafting again
+MAX_IDLE_DOUBLINGS = 3
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A tree's parents, depths and rate-table cells as plain lists: trees are
+    small, and per-node Python beats numpy's per-call cost at this size."""
+
+    parents: list[int]
+    depths: list[int]
+    #: the cell of ``rates.ravel()`` each node reads: depth bucket x RANK_BUCKETS + rank bucket
+    cells: list[int]
+
+    @classmethod
+    def of(cls, tree: DraftTree) -> TreeShape:
+        """Example: parents ``[-1, -1, 0, 0, 1]`` have depths ``[1, 1, 2, 2, 2]``,
+        sibling ranks ``[0, 1, 0, 1, 0]``, cells ``[0, 1, 4, 5, 4]``."""
+        parents = tree.parents.tolist()
+        depths: list[int] = []
+        cells: list[int] = []
+        children: dict[int, int] = {}
+        for parent in parents:
+            depth = 1 if parent == ROOT else depths[parent] + 1
+            rank = children.get(parent, 0)
+            children[parent] = rank + 1
+            depths.append(depth)
+            cells.append((min(depth, DEPTH_BUCKETS) - 1) * RANK_BUCKETS + min(rank, RANK_BUCKETS - 1))
+        return cls(parents, depths, cells)
+
+
+def matched_nodes(tree: DraftTree, shape: TreeShape, committed: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``(trials, hits)``: the cells of the nodes tried and of those that matched,
+    judged by the tokens the step committed after the tree's root (accepted
+    drafts, then the target's own).
+
+    Example: a root with children ``a`` (node 0) and ``b`` (node 1), ``a`` with
+    child ``c`` (node 2), committed ``[a, d]``: all three were tried, only node 0
+    matched (node 2 was tried at depth 2 and missed ``d``).
+    """
+    tokens = tree.tokens.tolist()
+    matched = [False] * len(tokens)
+    trials, hits = [], []
+    for node, (parent, depth, cell) in enumerate(zip(shape.parents, shape.depths, shape.cells)):
+        if depth > len(committed) or (parent != ROOT and not matched[parent]):
+            continue
+        trials.append(cell)
+        if tokens[node] == committed[depth - 1]:
+            matched[node] = True
+            hits.append(cell)
+    return trials, hits
+
+
+def path_values(shape: TreeShape, rates: np.ndarray) -> list[float]:
+    """Each node's chance of being accepted: the product of ``rates[depth, rank]`` along its path."""
+    flat = rates.ravel().tolist()
+    values: list[float] = []
+    for parent, cell in zip(shape.parents, shape.cells):
+        values.append(flat[cell] * (1.0 if parent == ROOT else values[parent]))
+    return values
+
+
+@dataclass
+class AcceptanceCounts:
+    """Decayed trials and hits per (depth, rank) cell."""
+
+    trials: np.ndarray = field(default_factory=lambda: np.zeros(DEPTH_BUCKETS * RANK_BUCKETS))
+    hits: np.ndarray = field(default_factory=lambda: np.zeros(DEPTH_BUCKETS * RANK_BUCKETS))
+
+    def add(self, trials: list[int], hits: list[int], decay: float) -> None:
+        self.trials = self.trials * decay + np.bincount(trials, minlength=self.trials.size)
+        self.hits = self.hits * decay + np.bincount(hits, minlength=self.hits.size)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one step verifying ``rows`` rows: ``intercept + slope * rows``."""
+
+    intercept: float
+    slope: float
+
+    def seconds(self, rows: np.ndarray | float) -> np.ndarray | float:
+        return self.intercept + self.slope * rows
+
+
+class StepCostModel:
+    """Step seconds against rows, by exponentially weighted least squares.
+
+    A little ridge towards a slope of ``mean / PRIOR_ROWS`` keeps the line
+    defined before the rows have varied (every step the same batch and tree).
+    """
+
+    PRIOR_ROWS = 64.0
+    RIDGE = 16.0
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self._sums = np.zeros(5)  # weight, sum x, sum y, sum x^2, sum x*y
+
+    def observe(self, rows: int, seconds: float) -> None:
+        x, y = float(rows), float(seconds)
+        self._sums = self._sums * self.decay + np.array([1.0, x, y, x * x, x * y])
+
+    @property
+    def observed(self) -> bool:
+        return bool(self._sums[0] > 0)
+
+    def fit(self) -> StepCost:
+        weight, sx, sy, sxx, sxy = self._sums
+        if weight <= 0:
+            raise ValueError("no step observed yet")
+        mean_x, mean_y = sx / weight, sy / weight
+        spread = sxx - weight * mean_x**2  # weighted sum of squared deviations
+        covariance = sxy - weight * mean_x * mean_y
+        prior_slope = mean_y / (mean_x + self.PRIOR_ROWS)
+        slope = max(0.0, (covariance + self.RIDGE * prior_slope) / (spread + self.RIDGE))
+        return StepCost(max(mean_y - slope * mean_x, 0.0), slope)
+
+
+def choose_counts(values: np.ndarray, base_tokens: float, base_rows: float, cost: StepCost) -> int:
+    """How many of the nodes, best first, to keep: the ``n`` that maximises
+    ``(base_tokens + sum of the n best values) / cost(base_rows + n)``."""
+    best_first = np.sort(values)[::-1]  # [num_nodes]
+    tokens = base_tokens + np.concatenate([[0.0], np.cumsum(best_first)])  # [num_nodes + 1]
+    seconds = cost.seconds(base_rows + np.arange(best_first.size + 1))
+    return int(np.argmax(tokens / np.maximum(seconds, 1e-12)))
+
+
+def choose_nodes(
+    trees: Sequence[DraftTree], values: Sequence[Sequence[float]], base_tokens: float, base_rows: float, cost: StepCost
+) -> list[np.ndarray]:
+    """Which nodes of each tree to keep (boolean masks), the batch's best first.
+
+    Ties between nodes go to the earlier tree, then the earlier node, so a
+    parent (earlier, never worth less) is kept before its children.
+    """
+    flat = np.concatenate([np.asarray(v, float) for v in values]) if values else np.zeros(0)  # [all nodes]
+    keep_count = choose_counts(flat, base_tokens, base_rows, cost)
+    chosen = np.zeros(flat.size, bool)
+    chosen[np.argsort(-flat, kind="stable")[:keep_count]] = True
+    return np.split(chosen, np.cumsum([tree.num_nodes for tree in trees])[:-1])
+
+
+@dataclass
+class RequestBudget:
+    """What the budget remembers of one request."""
+
+    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    #: the last whole tree its drafter proposed, its shape, and the request's length then
+    drafted: DraftTree | None = None
+    drafted_shape: TreeShape | None = None
+    drafted_at: int = 0
+    #: most nodes to ask its drafter for (``None``: the cap), from its last non-empty draft
+    ask: int | None = None
+    #: consecutive drafts pruned to nothing, and steps left to sit out
+    empty_streak: int = 0
+    idle: int = 0
+
+
+class StepBudget:
+    """One engine's per-step node budget: acceptance per request, costs per step."""
+
+    def __init__(self) -> None:
+        self.cost_model = StepCostModel()
+        #: the line decisions use: refreshed by :meth:`refresh` (every rank of a
+        #: tensor-parallel engine must decide alike, so the runner shares it)
+        self.cost: StepCost | None = None
+        self.engine = AcceptanceCounts()
+        self.requests: dict[str, RequestBudget] = {}
+
+    def refresh(self) -> StepCost | None:
+        """The fitted line now (``None`` before any step was timed)."""
+        return self.cost_model.fit() if self.cost_model.observed else None
+
+    def draft_cap(self, req_id: str, cap: int) -> int:
+        """Nodes to ask ``req_id``'s drafter for this step: 0 while it sits out
+        after drafts that were pruned to nothing, else room to grow past what
+        was kept last time (twice as many, and two more; drafting costs grow
+        with the nodes asked for, e.g. ``aded``'s search)."""
+        state = self.requests.setdefault(req_id, RequestBudget())
+        if state.idle > 0:
+            state.idle -= 1
+            return 0
+        return cap if state.ask is None else min(cap, state.ask)
+
+    def observe_committed(self, req_id: str, committed: Sequence[int], num_tokens: int) -> None:
+        """The tokens a step committed for ``req_id``; ``num_tokens`` is its length after them."""
+        state = self.requests.get(req_id)
+        if state is None or state.drafted is None:
+            return
+        tree, state.drafted = state.drafted, None
+        if not committed or state.drafted_at + len(committed) != num_tokens:
+            return  # not the step the tree was drafted for (preempted, rescheduled)
+        assert state.drafted_shape is not None
+        trials, hits = matched_nodes(tree, state.drafted_shape, committed)
+        state.counts.add(trials, hits, REQUEST_DECAY)
+        self.engine.add(trials, hits, ENGINE_DECAY)
+
+    def engine_rates(self) -> np.ndarray:
+        """The engine-wide acceptance rate per cell (a uniform prior: 1/2 before anything was seen)."""
+        return (self.engine.hits + 1.0) / (self.engine.trials + 2.0)
+
+    def rates(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
+        """``c[depth bucket, rank bucket]`` for one request, non-increasing in rank."""
+        engine = self.engine_rates() if engine_rates is None else engine_rates
+        counts = self.requests[req_id].counts
+        rate = (counts.hits + PRIOR_TRIALS * engine) / (counts.trials + PRIOR_TRIALS)
+        return np.minimum.accumulate(rate.reshape(DEPTH_BUCKETS, RANK_BUCKETS), axis=1)
+
+    def prune(
+        self,
+        req_ids: Sequence[str],
+        trees: Sequence[DraftTree],
+        num_tokens: Sequence[int],
+        batch_size: int,
+        other_rows: int = 0,
+    ) -> list[DraftTree]:
+        """Keep the nodes of ``trees`` (one per request in ``req_ids``, of length
+        ``num_tokens``) that pay for themselves in a step of ``batch_size``
+        requests with ``other_rows`` draft rows the budget does not choose."""
+        shapes = [TreeShape.of(tree) for tree in trees]
+        for req_id, tree, shape, length in zip(req_ids, trees, shapes, num_tokens):
+            state = self.requests.setdefault(req_id, RequestBudget())
+            state.drafted, state.drafted_shape, state.drafted_at = tree, shape, length
+        if self.cost is None:  # nothing timed yet: the drafts as proposed
+            kept = list(trees)
+        else:
+            engine = self.engine_rates()
+            values = [path_values(shape, self.rates(req_id, engine)) for req_id, shape in zip(req_ids, shapes)]
+            masks = choose_nodes(trees, values, batch_size, batch_size + other_rows, self.cost)
+            kept = [tree if mask.all() else tree.keep(mask) for tree, mask in zip(trees, masks)]
+        for drafted, tree, req_id in zip(trees, kept, req_ids):
+            if drafted.num_nodes == 0:  # the drafter found nothing: its own call, nothing learnt
+                continue
+            state = self.requests[req_id]
+            state.ask = 2 * tree.num_nodes + 2
+            state.empty_streak = 0 if tree.num_nodes else min(state.empty_streak + 1, MAX_IDLE_DOUBLINGS)
+            state.idle = (1 << state.empty_streak) - 1
+        return kept
+
+    def remove(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
