@@ -3,11 +3,12 @@ under KV-cache pressure, and aborted requests (prefix-cache hits are checked
 in ``test_lookup_tree_engine.py``).
 
 One engine with a small KV cache (six 128-token blocks for ten requests of
-up to 400 tokens) and a 64-token step budget, so long prompts are
+up to 400 tokens) and at most 64 tokens a step, so long prompts are
 prefilled in chunks beside other requests' tree steps and requests get
-preempted and resumed. ``aded`` (tri-gram overlays) and ``dsbd`` (draft-model
-KV caches) keep per-request drafter state, which must be freed whatever way
-a request leaves; ``dsbd`` at width 1 is greedy-exact, so both are checked
+preempted and resumed. ``aded`` (tri-gram overlays, and the per-step node budget's
+acceptance counts: it runs with ``"max_nodes": "auto"``) and ``dsbd``
+(draft-model KV caches) keep per-request state, which must be freed whatever
+way a request leaves; ``dsbd`` at width 1 is greedy-exact, so both are checked
 for exact output too.
 """
 
@@ -17,7 +18,7 @@ import pytest
 from conftest import make_prompts
 from test_lookup_tree_engine import greedy, runner_stats, token_ids
 
-ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40}
+ADED = {"method": "aded", "num_speculative_tokens": 3, "auto_max_nodes": 12, "iterations": 40}
 TIGHT = {
     "kv_cache_memory_bytes": 6 * 128 * 1024,
     "max_model_len": 512,
@@ -34,7 +35,8 @@ def _kv_usage(llm) -> float:
 
 def _live_state(worker) -> dict[str, int]:
     runner = worker.model_runner
-    return {"proposed": len(runner._proposed), "drafter": runner.tree_drafter.live_requests}
+    budget = 0 if runner.budget is None else len(runner.budget.requests)
+    return {"proposed": len(runner._proposed), "drafter": runner.tree_drafter.live_requests, "budget": budget}
 
 
 @pytest.fixture(scope="module", params=["aded", "dsbd"])
@@ -55,7 +57,7 @@ def test_preemption_and_chunked_prefill_keep_greedy_exact(engines, tight):
     assert token_ids(tight.generate(prompts, greedy(MAX_TOKENS))) == reference
     assert runner_stats(tight)["preempted"] > before["preempted"]
     assert runner_stats(tight)["accepted"] > before["accepted"]
-    assert tight.collective_rpc(_live_state)[0] == {"proposed": 0, "drafter": 0}
+    assert tight.collective_rpc(_live_state)[0] == {"proposed": 0, "drafter": 0, "budget": 0}
     assert _kv_usage(tight) == 0.0  # every block back, the draft's K/V in them too
 
 
@@ -73,5 +75,5 @@ def test_aborted_requests_free_drafter_state(tight):
         finished |= {out.request_id for out in engine.step() if out.finished}
     assert finished == {f"abort-{i}" for i in range(1, 6, 2)}
     engine.step()  # one more step delivers the last finished ids to the worker
-    assert tight.collective_rpc(_live_state)[0] == {"proposed": 0, "drafter": 0}
+    assert tight.collective_rpc(_live_state)[0] == {"proposed": 0, "drafter": 0, "budget": 0}
     assert _kv_usage(tight) == 0.0

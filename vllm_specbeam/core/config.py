@@ -42,9 +42,9 @@ class Option:
     auto: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        if value == AUTO:
-            if self.auto:
-                return value
+        if self.auto and value == AUTO:
+            return value
+        if name == "max_nodes" and value == AUTO:
             raise SpecbeamConfigError(
                 f"option {name!r} cannot be {AUTO!r} for this method (only methods whose trees the "
                 f"per-step budget may cut take it: {sorted(m for m, e in METHODS.items() if e.prunable)}); "
