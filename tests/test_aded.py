@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import math
 from pathlib import Path
@@ -12,9 +13,11 @@ import pytest
 
 from vllm_specbeam.core.config import TREE_OPTIONS, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest
-from vllm_specbeam.methods.aded import trigram
-from vllm_specbeam.methods.aded.drafter import AdedDrafter
-from vllm_specbeam.methods.aded.mcts import SearchParams, search, selection_scores
+from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.methods.aded import drafter as drafter_module
+from vllm_specbeam.methods.aded import mcts, trigram
+from vllm_specbeam.methods.aded.drafter import CONTEXT, CORPUS, AdedDrafter, Draft
+from vllm_specbeam.methods.aded.mcts import SearchParams, SuccessorTable, search, selection_scores
 
 WORDS = ["[UNK]", "a", "b", "c", "d", "e", "f", "g"]
 
@@ -54,14 +57,81 @@ def options(**overrides: object) -> dict:
     return {**{name: option.default for name, option in defaults.items()}, **overrides}
 
 
-def table(successors: dict[tuple[int, int], list[tuple[int, float]]]):
-    """A hand-made matrix as the ``Successors`` callable MCTS reads."""
+Entries = dict[tuple[int, int], list[tuple[int, float]]]
 
-    def lookup(w1: int, w2: int) -> tuple[np.ndarray, np.ndarray]:
-        entries = successors.get((w1, w2), [])
-        return np.array([t for t, _ in entries], np.int64), np.array([p for _, p in entries], np.float64)
+
+def table(successors: Entries) -> mcts.Successors:
+    """A hand-made matrix as the batched ``Successors`` callable MCTS reads."""
+
+    def lookup(pairs: np.ndarray) -> SuccessorTable:
+        rows = [successors.get((w1, w2), []) for w1, w2 in pairs.tolist()]
+        return SuccessorTable.from_rows([([t for t, _ in r], [p for _, p in r]) for r in rows])
 
     return lookup
+
+
+def random_entries(rng: np.random.Generator, vocab: int, most: int) -> Entries:
+    """Every state of a small vocabulary with 0..``most`` successors, most probable first."""
+    entries: Entries = {}
+    for w1 in range(vocab):
+        for w2 in range(vocab):
+            k = int(rng.integers(0, most + 1))
+            probs = np.sort(rng.dirichlet(np.ones(k)) * rng.uniform(0.3, 1.0))[::-1] if k else []
+            entries[(w1, w2)] = list(zip(rng.choice(vocab, k, replace=False).tolist(), list(probs), strict=True))
+    return entries
+
+
+def reference_search(entries: Entries, w1: int, w2: int, params: SearchParams, rng: np.random.Generator) -> DraftTree:
+    """The search one walk at a time, one node object per search node (the former implementation)."""
+    nodes: dict[tuple[int, ...], list[float]] = {(): [0.0, 0.0]}  # path -> [visits, summed reward]
+
+    def following(path: tuple[int, ...]) -> list[tuple[int, float]]:
+        state = ((w1, w2) + path)[-2:]
+        return entries.get((state[0], state[1]), [])
+
+    def score(path: tuple[int, ...]) -> np.ndarray:
+        kids = [path + (t,) for t, _ in following(path)]
+        values = np.array([nodes.get(k, [0.0, 0.0])[1] for k in kids])
+        visits = np.array([nodes.get(k, [0.0, 0.0])[0] for k in kids])
+        priors = np.array([p for _, p in following(path)])
+        return selection_scores(values, visits, priors, nodes[path][0], params.c1, params.c2)
+
+    if not following(()) or params.depth < 1:
+        return DraftTree.empty()
+    uniforms = rng.random((params.iterations, params.depth))
+    for u in uniforms:
+        path: tuple[int, ...] = ()
+        reward = 1.0
+        while following(path) and len(path) < params.depth:
+            i = int(np.argmax(score(path)))
+            reward += following(path)[i][1]
+            path = path + (following(path)[i][0],)
+            if path not in nodes:
+                nodes[path] = [0.0, 0.0]
+                break
+        tail = path
+        for x in u[: params.depth - len(path)]:
+            options = following(tail)
+            if not options:
+                break
+            cumulative = np.cumsum([p for _, p in options])
+            i = min(int(np.searchsorted(cumulative, x * cumulative[-1], side="right")), len(options) - 1)
+            reward += options[i][1]
+            tail = tail + (options[i][0],)
+        for k in range(len(path) + 1):
+            nodes[path[:k]][0] += 1
+            nodes[path[:k]][1] += reward
+    order = {
+        p: i
+        for i, p in enumerate(
+            sorted(nodes, key=lambda p: [[t for t, _ in following(p[:d])].index(p[d]) for d in range(len(p))])
+        )
+    }
+    leaves = [p for p in nodes if p and not any(q[: len(p)] == p and len(q) > len(p) for q in nodes)]
+    prob = {p: math.prod(dict(following(p[:d]))[p[d]] for d in range(len(p))) for p in leaves}
+    leaves.sort(key=lambda p: (-nodes[p][0], -prob[p], order[p]))
+    paths = [list(p) + ([following(p)[0][0]] if len(p) < params.depth and following(p) else []) for p in leaves]
+    return DraftTree.from_paths(paths[: params.num_paths], params.max_nodes)
 
 
 # ---------------------------------------------------------------- MCTS
@@ -78,7 +148,7 @@ def test_search_merges_most_visited_paths_with_greedy_extension() -> None:
     # iteration 3 takes 2 (16.31 > 11.04) then 4, reward 2.6. Leaves [2, 4] and [3] have one
     # visit each, [2, 4] is more probable; [3] is extended greedily by 5 (depth 2 is full for [2, 4]).
     lookup = table({(0, 1): [(2, 0.6), (3, 0.4)], (1, 2): [(4, 1.0)], (1, 3): [(5, 0.5), (6, 0.5)]})
-    tree = search(lookup, 0, 1, SearchParams(iterations=3, depth=2), np.random.default_rng(0))
+    tree = search(lookup, 0, 1, SearchParams(iterations=3, depth=2, wave=1), np.random.default_rng(0)).tree
     assert tree.tokens.tolist() == [2, 4, 3, 5]
     assert tree.parents.tolist() == [-1, 0, -1, 2]
 
@@ -98,7 +168,7 @@ def test_search_puts_the_most_visited_path_first_and_keeps_the_budget() -> None:
         }
     )
     params = SearchParams(iterations=150, depth=3, max_nodes=5)
-    tree = search(lookup, 0, 1, params, np.random.default_rng(0))
+    tree = search(lookup, 0, 1, params, np.random.default_rng(0)).tree
     assert tree.tokens[:3].tolist() == [2, 4, 7]  # the most probable full-depth path
     assert tree.parents[:3].tolist() == [-1, 0, 1]
     assert tree.num_nodes == 5 and tree.max_depth <= 3
@@ -106,11 +176,70 @@ def test_search_puts_the_most_visited_path_first_and_keeps_the_budget() -> None:
 
 def test_search_is_empty_without_successors_and_seeded() -> None:
     rng = np.random.default_rng(0)
-    assert search(table({}), 0, 1, SearchParams(), rng).num_nodes == 0
+    assert search(table({}), 0, 1, SearchParams(), rng).tree.num_nodes == 0
     lookup = table({(a, b): [(c, 0.5), ((c + 1) % 6, 0.3)] for a in range(6) for b in range(6) for c in [(a + b) % 6]})
-    trees = [search(lookup, 0, 1, SearchParams(depth=5), np.random.default_rng(7)) for _ in range(2)]
+    trees = [search(lookup, 0, 1, SearchParams(depth=5), np.random.default_rng(7)).tree for _ in range(2)]
     assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
     assert trees[0].max_depth <= 5 and trees[0].num_nodes <= 64
+
+
+@pytest.mark.parametrize("vocab, most", [(3, 1), (6, 4), (12, 12)])
+def test_waves_of_one_walk_are_the_sequential_search(vocab: int, most: int) -> None:
+    rng = np.random.default_rng(vocab)
+    for seed in range(40):
+        entries = random_entries(rng, vocab, most)
+        params = SearchParams(
+            iterations=int(rng.integers(1, 60)),
+            depth=int(rng.integers(1, 6)),
+            max_nodes=int(rng.integers(1, 20)),
+            num_paths=int(rng.integers(1, 10)),
+            wave=1,
+        )
+        expected = reference_search(entries, 0, 1, params, np.random.default_rng(seed))
+        tree = search(table(entries), 0, 1, params, np.random.default_rng(seed)).tree
+        assert (tree.tokens.tolist(), tree.parents.tolist()) == (expected.tokens.tolist(), expected.parents.tolist())
+
+
+def test_a_wave_sends_its_walks_where_one_by_one_argmaxes_would() -> None:
+    """Brute force: m walks, each taking the argmax after the earlier ones' virtual visits."""
+    rng = np.random.default_rng(3)
+    entries = {(0, 1): [(t, p) for t, p in zip(range(2, 8), np.sort(rng.dirichlet(np.ones(6)))[::-1], strict=True)]}
+    states = mcts._States(table(entries), 4)
+    tree = mcts._Tree(64, int(states.rows_of(np.array([[0, 1]]))[0]))
+    tree.children = mcts._widen(tree.children, 0, 6, mcts.NONE)
+    params = SearchParams(depth=1)
+    for walks in (5, 9, 13):  # three waves on the same root, with rewards in between
+        visits = np.array([tree.visits[c] for c in tree.children[0, :6]])  # [6]; NONE reads the spare node
+        values = np.array([tree.values[c] for c in tree.children[0, :6]])
+        sent = np.zeros(6)
+        for _ in range(walks):
+            scores = selection_scores(values, visits + sent, states.probs[0, :6], tree.visits[0] + walks - 1)
+            sent[int(np.argmax(scores))] += 1
+        leaves = mcts._select(tree, states, params, walks)
+        np.testing.assert_array_equal(np.bincount(tree.slot[leaves], minlength=6), sent)
+        mcts._backup(tree, leaves, rng.uniform(1, 3, leaves.size))
+
+
+@pytest.mark.parametrize("wave", [0, 3, 1000])
+def test_search_keeps_budget_depth_and_successors_for_any_wave(wave: int) -> None:
+    rng = np.random.default_rng(wave)
+    for seed in range(30):
+        entries = random_entries(rng, 8, 5)
+        params = SearchParams(
+            iterations=int(rng.integers(1, 200)),
+            depth=int(rng.integers(1, 6)),
+            max_nodes=int(rng.integers(1, 30)),
+            wave=wave,
+        )
+        result = search(table(entries), 0, 1, params, np.random.default_rng(seed))
+        again = search(table(entries), 0, 1, params, np.random.default_rng(seed))
+        tree = result.tree
+        assert tree.tokens.tolist() == again.tree.tokens.tolist()  # reproducible per seed
+        assert tree.num_nodes <= params.max_nodes and (tree.num_nodes == 0 or tree.max_depth <= params.depth)
+        assert result.iterations == (params.iterations if entries[(0, 1)] else 0)
+        for i, parent in enumerate(tree.parents.tolist()):  # every node is a successor of its parent's state
+            path = [0, 1, *tree.tokens[tree.path_to(parent)].tolist()] if parent != ROOT else [0, 1]
+            assert int(tree.tokens[i]) in [t for t, _ in entries[(path[-2], path[-1])]]
 
 
 # ---------------------------------------------------------------- the matrix
@@ -208,16 +337,35 @@ def test_cli_build_and_info(corpus: Path, tokenizer_dir: str, tmp_path: Path, ca
 
 
 # ---------------------------------------------------------------- overlays
+def successors_of(found: trigram.Continuations, row: int) -> tuple[list[int], list[float], list[bool]]:
+    n = int(found.table.counts[row])
+    table = found.table
+    return table.tokens[row, :n].tolist(), table.probs[row, :n].tolist(), found.from_corpus[row, :n].tolist()
+
+
 def test_lookup_merges_base_and_overlays() -> None:
     base = trigram.TrigramMatrix.from_counts(np.array([(1 * 8 + 2) * 8 + 3, (1 * 8 + 2) * 8 + 4]), np.array([3, 1]), 8)
     overlay = trigram.Overlay()
-    assert base.lookup(1, 2, [overlay])[1].tolist() == pytest.approx([0.75, 0.25])  # nothing seen yet
+    found = base.lookup(np.array([[1, 2], [5, 5], [9, 1]]), [overlay])  # nothing seen yet; 9 is outside the vocabulary
+    assert successors_of(found, 0)[1] == pytest.approx([0.75, 0.25]) and found.table.counts[1:].tolist() == [0, 0]
     overlay.observe([5, 5, 6], step=0.04, cap=0.5)
-    ids, probs = base.lookup(5, 5, [overlay])  # overlay only: a sub-distribution, not renormalised
-    assert ids.tolist() == [6] and probs.tolist() == pytest.approx([0.04])
+    ids, probs, corpus = successors_of(base.lookup(np.array([[5, 5]]), [overlay]), 0)  # overlay only: not renormalised
+    assert ids == [6] and probs == pytest.approx([0.04]) and corpus == [False]
     overlay.observe([1, 2, 4] * 6, step=0.1, cap=0.5)
-    ids, probs = base.lookup(1, 2, [overlay], cap=0.5)  # 0.25 + min(0.6, cap 0.5): sum 1.5 -> renormalised
-    assert ids.tolist() == [3, 4] and probs.tolist() == pytest.approx([0.5, 0.5])
+    ids, probs, corpus = successors_of(base.lookup(np.array([[1, 2]]), [overlay], cap=0.5), 0)
+    assert ids == [3, 4] and probs == pytest.approx([0.5, 0.5])  # 0.25 + min(0.6, cap 0.5): sum 1.5 -> renormalised
+    assert corpus == [True, False]  # 4's larger share is its gain
+
+
+def test_lookup_scales_the_corpus_by_its_weight() -> None:
+    # base c (=3) 0.6, d (=4) 0.4 after "1 2"; the request saw "1 2 4" twice (0.08)
+    base = trigram.TrigramMatrix.from_counts(np.array([(1 * 8 + 2) * 8 + 3, (1 * 8 + 2) * 8 + 4]), np.array([3, 2]), 8)
+    overlay = trigram.Overlay()
+    overlay.observe([1, 2, 4, 1, 2, 4], step=0.04, cap=0.5)
+    ids, probs, corpus = successors_of(base.lookup(np.array([[1, 2]]), [overlay], corpus_weight=0.1), 0)
+    assert ids == [4, 3] and probs == pytest.approx([0.04 + 0.08, 0.06]) and corpus == [False, True]
+    ids, probs, corpus = successors_of(base.lookup(np.array([[1, 2]]), [overlay], corpus_weight=2.0), 0)
+    assert ids == [3, 4] and probs == pytest.approx([1.2 / 2.08, 0.88 / 2.08]) and corpus == [True, True]
 
 
 def request(req_id: str, tokens: list[int], **overrides: object) -> DraftRequest:
@@ -287,3 +435,84 @@ def test_remove_requests_frees_state() -> None:
     drafter.propose([request("r1", [1, 2, 3]), request("r2", [1, 2, 3])])
     drafter.remove_requests(["r1", "unknown"])
     assert set(drafter._requests) == {"r2"}
+
+
+# ---------------------------------------------------------------- cost follows the budget
+def test_iterations_follow_the_node_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    walks: list[int] = []
+
+    def counting(*args: object) -> mcts.SearchResult:
+        result = search(*args)  # type: ignore[arg-type]
+        walks.append(result.iterations)
+        return result
+
+    monkeypatch.setattr(drafter_module, "search", counting)
+    drafter = AdedDrafter(options(max_nodes=16, iterations=150))
+    prompt = [1, 2, 3, 4, 5, 6, 7] * 3 + [1, 2]
+    for budget in (16, 4, 1):
+        tree = drafter.propose([request("r", prompt, max_nodes=budget)])[0]
+        assert 1 <= tree.num_nodes <= budget
+    assert walks == [150, 38, 10]  # the root's visits: 150 x 4/16, 150 x 1/16, rounded up
+    drafter.propose([request("r", prompt, max_nodes=1, iterations=3)])
+    assert walks[-1] == 1  # never none
+    auto = AdedDrafter({**options(), "max_nodes": "auto", "auto_max_nodes": 16})  # the per-step budget's cap is full
+    assert [auto.iterations(150, budget) for budget in (16, 4, 1)] == [150, 38, 10]
+
+
+# ---------------------------------------------------------------- weighing the corpus
+def test_draft_judged_counts_checked_and_kept_nodes_per_source() -> None:
+    # a (corpus) -> b (context), c (corpus); d (context) a second root child
+    tree = DraftTree(np.array([10, 11, 12, 13]), np.array([ROOT, 0, 0, ROOT]))
+    draft = Draft(tree, np.array([CORPUS, CONTEXT, CORPUS, CONTEXT]), context=5)
+    checked, kept = draft.judged([10, 12, 99])  # a kept, c kept, nothing below c
+    assert checked.tolist() == [2, 2] and kept.tolist() == [2, 0]  # a, d; then b, c
+    checked, kept = draft.judged([77])  # both root children checked, none kept
+    assert checked.tolist() == [1, 1] and kept.tolist() == [0, 0]
+
+
+def corpus_of(trigrams: dict[tuple[int, int], int], vocab: int = 64) -> trigram.TrigramMatrix:
+    """A matrix whose only successor of ``(w1, w2)`` is ``trigrams[(w1, w2)]``, with probability 1."""
+    codes = sorted((w1 * vocab + w2) * vocab + w3 for (w1, w2), w3 in trigrams.items())
+    return trigram.TrigramMatrix.from_counts(np.array(codes), np.ones(len(codes), np.int64), vocab)
+
+
+def generate(drafter: AdedDrafter, truth: list[int], start: int, steps: int) -> list[tuple[DraftTree, float]]:
+    """Greedy steps against ``truth``: each commits the drafted path matching it, then one more token.
+    Per step: the draft and the corpus weight it was drafted with."""
+    length, out = start, []
+    for _ in range(steps):
+        tree = drafter.propose([request("r", truth[:length])])[0]
+        out.append((tree, drafter._requests["r"].record.corpus_weight))
+        node, kept = ROOT, 0
+        while True:
+            hit = np.flatnonzero((tree.parents == node) & (tree.tokens == truth[length + kept]))
+            if not hit.size:
+                break
+            node, kept = int(hit[0]), kept + 1
+        length += kept + 1
+    return out
+
+
+def test_a_wrong_corpus_sinks_and_the_requests_own_trigrams_win() -> None:
+    cycle = [1, 2, 3, 4, 5, 6]
+    truth = cycle * 60
+    wrong = {(a, b): 20 + b for a, b in itertools.pairwise(truth)}  # after "1 2" the corpus says 22, never 3
+    drafter = AdedDrafter(options())
+    drafter.matrix = corpus_of(wrong)
+    steps = generate(drafter, truth, 18, 12)
+    first, _ = steps[0]
+    assert first.tokens[0] >= 20  # at first the confident corpus outranks the request's own tri-grams
+    weights = [w for _, w in steps]
+    assert weights[0] == 1.0 and max(weights[1:]) < 0.05  # (it creeps back up as its old rejections decay)
+    for tree, _ in steps[3:]:  # after a few steps the best path is the request's own
+        assert tree.tokens[0] < 20
+
+
+def test_a_right_corpus_gains_weight() -> None:
+    truth = list(range(1, 60))  # no tri-gram repeats: the request's own overlay has nothing to offer
+    drafter = AdedDrafter(options())
+    drafter.matrix = corpus_of({(a, b): c for a, b, c in zip(truth, truth[1:], truth[2:])})
+    steps = generate(drafter, truth, 3, 8)
+    weights = [w for _, w in steps]
+    assert weights[0] == 1.0 and all(b > a for a, b in itertools.pairwise(weights)) and weights[-1] > 1.5
+    assert steps[0][0].tokens.tolist() == truth[3:7]  # the corpus's one successor per state: a chain, 4 deep

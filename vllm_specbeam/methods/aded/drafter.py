@@ -8,12 +8,32 @@ come from the request's own prompt and output, like prompt lookup but with
 a search over branches.
 
 Adaptation counts each committed tri-gram once, when it is committed: a new
-request's last ``adapt_window`` tokens (its whole prompt when there is no
-corpus, since nothing else would inform the drafts), then the tokens each step
-adds. The paper re-raises every tri-gram of the sliding 16-token window at
-every step instead; counting once is ``O(new tokens)`` per step and does not
+request's whole prompt (or its last ``adapt_window`` tokens, when set and
+there is a corpus), then the tokens each step adds. The paper re-raises every tri-gram of the sliding 16-token window
+at every step instead; counting once is ``O(new tokens)`` per step and does not
 make a tri-gram's weight depend on how many tokens the steps around it
 happened to accept.
+
+The search's walks follow the step's node budget: ``iterations`` is what a
+tree of the engine's full ``max_nodes`` gets, and a step that may only draft
+4 of 16 nodes runs a quarter of them (at least one walk). A step that drafts
+one or two tokens needs only the best one or two paths, and the runner asks
+for small trees exactly when drafting does not pay.
+
+With a corpus, two sources propose successors: the corpus matrix and the
+request's own tri-grams (its overlay, and the shared one). Each drafted node
+is attributed to the source of its larger share (see
+:meth:`~vllm_specbeam.methods.aded.trigram.TrigramMatrix.lookup`); at the next
+step the request's new committed tokens show which nodes the target checked
+(the children of the root and of every kept node) and which it kept. Every
+corpus probability is then scaled by the corpus's acceptance *relative to*
+the request's own (``corpus_weight``, 1 at the start): a corpus the target
+rejects for this request sinks below the request's own tri-grams within a
+few steps, one it keeps rises above them. Scoring a draft is ``O(its depth x
+its nodes)`` per step and the counts decay, so a source can recover. With
+this weighting the whole prompt seeds the request's tri-grams with a corpus
+too (``adapt_window`` 0; it was 16): the prompt's own tri-grams missing was
+most of why a corpus used to cost acceptance.
 
 The target's tokenizer comes in as the ``tokenizer`` *option* (a name or
 path), not as a constructor argument: options are what travel from the front
@@ -24,27 +44,90 @@ target model's config before the drafter exists. It is only read when a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
 
-from vllm_specbeam.core.config import Option, SpecbeamConfigError
+from vllm_specbeam.core.config import Option, SpecbeamConfigError, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
-from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.aded import trigram
 from vllm_specbeam.methods.aded.mcts import SearchParams, search
+
+#: sources a drafted node is attributed to (index into :class:`SourceRecord`'s arrays)
+CORPUS, CONTEXT = 0, 1
+#: each step's counts are added to the older ones times this: a source's record
+#: reaches back about ``1 / (1 - SOURCE_DECAY)`` = 10 steps
+SOURCE_DECAY = 0.9
+#: pseudo-counts every source starts from: half a node kept of one checked
+SOURCE_PRIOR_KEPT, SOURCE_PRIOR_CHECKED = 0.5, 1.0
+
+
+@dataclass
+class SourceRecord:
+    """Decayed counts, per source, of a request's drafted nodes the target checked and kept."""
+
+    checked: np.ndarray = field(default_factory=lambda: np.zeros(2))  # [sources]
+    kept: np.ndarray = field(default_factory=lambda: np.zeros(2))  # [sources]
+
+    def add(self, checked: np.ndarray, kept: np.ndarray) -> None:
+        self.checked = SOURCE_DECAY * self.checked + checked
+        self.kept = SOURCE_DECAY * self.kept + kept
+
+    @property
+    def corpus_weight(self) -> float:
+        """The corpus's acceptance over the context's (smoothed), squared: 1 until the
+        target has judged them. Squared because the two live on different scales (a
+        corpus probability up to 1, a request's gain 0.04 a sighting): a corpus kept a
+        third as often must already rank below the request's own. Example: corpus 0
+        kept of 6 checked, context 3 of 4: ((0.5 / 7) / (3.5 / 5)) ** 2 = 0.01."""
+        rate = (self.kept + SOURCE_PRIOR_KEPT) / (self.checked + SOURCE_PRIOR_CHECKED)  # [sources]
+        return float(rate[CORPUS] / rate[CONTEXT]) ** 2
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A request's last draft: its nodes' tokens, parents and sources, and where it hangs."""
+
+    tree: DraftTree
+    sources: np.ndarray  # [nodes] CORPUS or CONTEXT
+    #: committed tokens when it was drafted: the ones after this show what the target kept
+    context: int
+
+    def judged(self, new_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Nodes checked and kept per source ([sources] each), given the tokens committed since.
+
+        The target checks the children of the root and of every node it kept,
+        and keeps the one (if any) matching the next committed token. Example:
+        nodes ``a`` (root child), ``b``, ``c`` (children of ``a``) and new tokens
+        ``a c x``: ``a`` kept; ``b``, ``c`` checked, ``c`` kept; nothing below ``c``.
+        """
+        checked, kept = np.zeros(2), np.zeros(2)
+        parent = ROOT
+        for token in new_tokens:
+            children = np.flatnonzero(self.tree.parents == parent)
+            np.add.at(checked, self.sources[children], 1.0)
+            hit = children[self.tree.tokens[children] == token]
+            if not hit.size:
+                break
+            parent = int(hit[0])
+            kept[self.sources[parent]] += 1.0
+        return checked, kept
 
 
 @dataclass
 class _RequestState:
-    """A request's own tri-gram gains and how much of its context they cover."""
+    """A request's own tri-gram gains, how much of its context they cover, and its sources' record."""
 
     overlay: trigram.Overlay = field(default_factory=trigram.Overlay)
     #: tokens whose tri-grams (the ones ending at them) have been observed
     observed: int = 0
+    record: SourceRecord = field(default_factory=SourceRecord)
+    draft: Draft | None = None
 
 
 def load_matrix(options: Mapping[str, Any]) -> trigram.TrigramMatrix:
@@ -80,10 +163,17 @@ class AdedDrafter(TreeDrafter):
             "filled in from the target model",
             per_request=False,
         ),
-        "iterations": Option(150, "MCTS iterations per draft tree", 1, 10_000),
+        "iterations": Option(
+            150,
+            "MCTS iterations of a draft tree at the engine's full node budget (max_nodes, or "
+            "auto_max_nodes when it is auto); a step with a smaller budget runs proportionally "
+            "fewer (4 of 16 nodes: a quarter), at least 1",
+            1,
+            10_000,
+        ),
         "num_paths": Option(24, "most-visited search paths merged into the draft tree", 1, 256),
         "adapt_window": Option(
-            16,
+            0,
             "tri-grams of the last this many tokens of a new request's context seed its "
             "weights (0 = the whole context; without a corpus the whole prompt is used); "
             "after that every committed tri-gram counts once",
@@ -119,26 +209,46 @@ class AdedDrafter(TreeDrafter):
         options = request.options
         tokens = np.asarray(request.token_ids, dtype=np.int64)
         state = self._observe(request.req_id, tokens, options)
+        state.draft = None
         if tokens.size < 2:
             return DraftTree.empty()
-        successors = partial(self.matrix.lookup, overlays=(self.shared, state.overlay), cap=options["adapt_cap"])
+        lookup = partial(
+            self.matrix.lookup,
+            overlays=(self.shared, state.overlay),
+            cap=options["adapt_cap"],
+            corpus_weight=state.record.corpus_weight,
+        )
+        budget = options["max_nodes"]
         params = SearchParams(
-            iterations=options["iterations"],
+            iterations=self.iterations(options["iterations"], budget),
             num_paths=options["num_paths"],
             depth=options["num_speculative_tokens"],
-            max_nodes=options["max_nodes"],
+            max_nodes=budget,
         )
         rng = np.random.default_rng((options["seed"], tokens.size))
-        return search(successors, int(tokens[-2]), int(tokens[-1]), params, rng)
+        w1, w2 = int(tokens[-2]), int(tokens[-1])
+        tree = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng).tree
+        if tree.num_nodes and self.matrix.num_keys:  # without a corpus every node is the context's
+            state.draft = Draft(tree, _sources(tree, w1, w2, lookup), tokens.size)
+        return tree
+
+    def iterations(self, iterations: int, budget: int) -> int:
+        """Walks for a step's node budget: ``iterations`` at the engine's full budget,
+        proportionally fewer below it (150 at 16 nodes: 38 at 4, 10 at 1)."""
+        return max(1, math.ceil(iterations * min(1.0, budget / node_cap(self.options))))
 
     def _observe(self, req_id: str, tokens: np.ndarray, options: Mapping[str, Any]) -> _RequestState:
-        """Add the tri-grams committed since this request's last step (only those)."""
+        """Add the tri-grams committed since this request's last step (only those),
+        and score its last draft against the tokens committed since it."""
         state = self._requests.get(req_id)
         if state is None or state.observed > tokens.size:  # new, or its context was cut back
             state = self._requests[req_id] = _RequestState(observed=self._seed_start(tokens.size, options))
         target = self.shared if options["global_update"] else state.overlay
         target.observe(tokens[max(0, state.observed - 2) :], options["adapt_step"], options["adapt_cap"])
         state.observed = tokens.size
+        draft = state.draft
+        if draft is not None and tokens.size > draft.context:
+            state.record.add(*draft.judged(tokens[draft.context :].tolist()))
         return state
 
     def _seed_start(self, num_tokens: int, options: Mapping[str, Any]) -> int:
@@ -156,3 +266,17 @@ class AdedDrafter(TreeDrafter):
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._requests.pop(req_id, None)
+
+
+def _sources(tree: DraftTree, w1: int, w2: int, lookup: Callable[[np.ndarray], trigram.Continuations]) -> np.ndarray:
+    """The source of every node ([nodes]): looked up again, in one call, after its parent's state.
+
+    Example: below context ``... 7 8``, nodes ``9`` (root child) and ``5`` (its
+    child) come from the states ``(7, 8)`` and ``(8, 9)``.
+    """
+    above = np.zeros((tree.num_nodes, 2), np.int64)  # [nodes, 2] the state each node follows
+    for i, parent in enumerate(tree.parents.tolist()):
+        above[i] = (w1, w2) if parent == ROOT else (above[parent, 1], tree.tokens[parent])
+    found = lookup(above)
+    slot = np.argmax(found.table.tokens == tree.tokens[:, None], axis=1)  # [nodes] where each node's token is
+    return np.where(found.from_corpus[np.arange(tree.num_nodes), slot], CORPUS, CONTEXT)

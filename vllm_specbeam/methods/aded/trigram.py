@@ -19,7 +19,11 @@ first use, and the OS shares them between processes):
 seen in a request's recent context gain ``step`` (0.04) each time they are
 seen, up to ``cap``. These gains live in an :class:`Overlay` (a small dict)
 per request, or one shared by all requests when the user opts in, and are
-merged with the base at lookup time; the base is never written.
+merged with the base at lookup time; the base is never written. The base's
+share is first scaled by the request's ``corpus_weight``, which the drafter
+learns from how often the target keeps the corpus's nodes against the
+request's own (see :mod:`vllm_specbeam.methods.aded.drafter`). Lookups are
+batched: the search asks for all the new states of one step of its walks at once.
 
 The cap (default :data:`DEFAULT_ADAPT_CAP` = 0.5, reached after 13 sightings)
 keeps a pattern the model repeats from taking over completely: a successor the
@@ -44,6 +48,8 @@ from typing import Any
 
 import numpy as np
 from tqdm import tqdm
+
+from vllm_specbeam.methods.aded.mcts import SuccessorTable
 
 FORMAT_VERSION = 1
 DEFAULT_TOP_K = 12
@@ -116,6 +122,15 @@ class Overlay:
 
 # ---------------------------------------------------------------- the matrix
 @dataclass(frozen=True)
+class Continuations:
+    """What :meth:`TrigramMatrix.lookup` proposes after each state, and from which source."""
+
+    table: SuccessorTable
+    #: [states, top_k] bool: the corpus's (weighted) share of the successor is larger than the overlays'
+    from_corpus: np.ndarray
+
+
+@dataclass(frozen=True)
 class TrigramMatrix:
     """Read-only top-k tri-gram probabilities (see the module docstring for the layout)."""
 
@@ -141,41 +156,85 @@ class TrigramMatrix:
         return cls(*_select_top_k(codes, counts, vocab_size, top_k)[:4], vocab_size, top_k)
 
     def base(self, w1: int, w2: int) -> tuple[np.ndarray, np.ndarray]:
-        """The corpus successors of ``(w1, w2)``, most probable first (views, no copy)."""
-        if not (0 <= w1 < self.vocab_size and 0 <= w2 < self.vocab_size):
-            return self.successors[:0], self.probs[:0]
-        key = w1 * self.vocab_size + w2
-        i = int(np.searchsorted(self.keys, key))
-        if i == self.keys.size or self.keys[i] != key:
-            return self.successors[:0], self.probs[:0]
-        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-        return self.successors[lo:hi], self.probs[lo:hi]
+        """The corpus successors of ``(w1, w2)``, most probable first."""
+        tokens, probs, counts = self.base_rows(np.array([[w1, w2]]))
+        return tokens[0, : counts[0]], probs[0, : counts[0]]
+
+    def base_rows(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The corpus successors of every ``(w1, w2)`` of ``pairs`` ([n, 2]) as padded rows:
+        tokens ``[n, top_k]``, probabilities ``[n, top_k]`` (0 past a row's count), counts ``[n]``."""
+        tokens = np.zeros((len(pairs), self.top_k), np.int64)
+        probs = np.zeros((len(pairs), self.top_k))
+        if not self.keys.size:
+            return tokens, probs, np.zeros(len(pairs), np.int64)
+        keys, offsets = np.asarray(self.keys), np.asarray(self.offsets)  # plain arrays: no memmap overhead
+        inside = np.all((pairs >= 0) & (pairs < self.vocab_size), axis=1)  # [n]
+        codes = np.where(inside, pairs[:, 0] * self.vocab_size + pairs[:, 1], -1)  # [n]
+        at = np.minimum(np.searchsorted(keys, codes), keys.size - 1)  # [n]
+        found = inside & (keys[at] == codes)  # [n]
+        start = np.where(found, offsets[at], 0)  # [n]
+        counts = np.where(found, offsets[at + 1] - start, 0)  # [n]
+        present = np.arange(self.top_k) < counts[:, None]  # [n, top_k]
+        entries = (start[:, None] + np.arange(self.top_k))[present]  # [present entries]
+        tokens[present] = np.asarray(self.successors)[entries]
+        probs[present] = np.asarray(self.probs)[entries]
+        return tokens, probs, counts
 
     def lookup(
-        self, w1: int, w2: int, overlays: Iterable[Overlay] = (), cap: float = DEFAULT_ADAPT_CAP
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Successor ids and probabilities of ``(w1, w2)``: base merged with overlays.
+        self,
+        pairs: np.ndarray,
+        overlays: Iterable[Overlay] = (),
+        cap: float = DEFAULT_ADAPT_CAP,
+        corpus_weight: float = 1.0,
+    ) -> Continuations:
+        """Successors of every ``(w1, w2)`` of ``pairs`` ([n, 2]): the base, times
+        ``corpus_weight``, merged with the overlays.
 
-        A successor's weight is its base probability plus its overlay gains
-        (summed over overlays, at most ``cap``); weights are divided by their
-        sum when that exceeds 1, so they stay a (sub-)distribution. At most
-        ``top_k`` successors, most probable first.
+        A successor's weight is ``corpus_weight`` times its base probability
+        plus its overlay gains (summed over overlays, at most ``cap``); weights
+        are divided by their sum when that exceeds 1, so they stay a
+        (sub-)distribution. At most ``top_k`` successors, most probable first,
+        each marked with the source of its larger share. Example: base
+        ``{c: 0.6}``, a gain ``{d: 0.08}`` and ``corpus_weight`` 0.1 give
+        ``d: 0.08`` (context) before ``c: 0.06`` (corpus). The base part is
+        one vectorised gather; only states with overlay gains are merged one by one.
         """
-        ids, probs = self.base(w1, w2)
-        gains: dict[int, float] = {}
-        for overlay in overlays:
-            for token, gain in overlay.get(w1, w2).items():
-                gains[token] = gains.get(token, 0.0) + gain
-        if not gains:
-            return ids.astype(np.int64), probs.astype(np.float64)
-        weights = dict(zip(ids.tolist(), probs.tolist(), strict=True))
-        for token, gain in gains.items():
-            weights[token] = weights.get(token, 0.0) + min(cap, gain)
-        ids = np.fromiter(weights, np.int64, len(weights))
-        probs = np.fromiter(weights.values(), np.float64, len(weights))
-        probs /= max(1.0, float(probs.sum()))
-        order = np.argsort(-probs, kind="stable")[: self.top_k]
-        return ids[order], probs[order]
+        pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+        tokens, probs, counts = self.base_rows(pairs)  # [n, top_k], [n, top_k], [n]
+        probs *= corpus_weight
+        from_corpus = np.arange(self.top_k) < counts[:, None]  # [n, top_k]
+        overlays = tuple(overlays)
+        for i, key in enumerate(((pairs[:, 0] << 32) | pairs[:, 1]).tolist()):  # overlay keys, as _key
+            gains: dict[int, float] = {}
+            for overlay in overlays:
+                for token, gain in overlay.gains.get(key, {}).items():
+                    gains[token] = gains.get(token, 0.0) + gain
+            if gains:
+                counts[i] = self._merge(i, gains, cap, tokens, probs, from_corpus, int(counts[i]))
+        probs /= np.maximum(1.0, probs.sum(axis=1))[:, None]
+        return Continuations(SuccessorTable(tokens, probs, counts), from_corpus)
+
+    def _merge(
+        self,
+        i: int,
+        gains: dict[int, float],
+        cap: float,
+        tokens: np.ndarray,
+        probs: np.ndarray,
+        from_corpus: np.ndarray,
+        count: int,
+    ) -> int:
+        """Row ``i``'s base successors merged with its overlay gains, in place; the new count."""
+        corpus = dict(zip(tokens[i, :count].tolist(), probs[i, :count].tolist(), strict=True))
+        context = {token: min(cap, gain) for token, gain in gains.items()}
+        ids = list(corpus | context)
+        shares = np.array([[corpus.get(t, 0.0), context.get(t, 0.0)] for t in ids])  # [k, 2]
+        order = np.argsort(-shares.sum(axis=1), kind="stable")[: self.top_k]
+        n = order.size
+        tokens[i, :n] = np.asarray(ids, np.int64)[order]
+        probs[i, :n] = shares[order].sum(axis=1)
+        from_corpus[i, :n] = shares[order, 0] > shares[order, 1]
+        return n
 
     @property
     def num_keys(self) -> int:
