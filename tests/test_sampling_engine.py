@@ -19,13 +19,20 @@ case; ``test_planted_residual_bug_is_caught`` keeps one such case in CI.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_prompts
 from test_lookup_tree_engine import LOOKUP, runner_stats, token_ids
+
+# At import, before any engine starts: the worker processes inherit sys.path and
+# import planted_bugs to run the planted bug that collective_rpc sends them by reference.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from planted_bugs import plant_residual_bug
 
 ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40, "num_paths": 8}
 NUM_SAMPLES = 2000
@@ -156,39 +163,15 @@ def test_tree_sampling_matches_target_distribution(engines, prompt, reference, s
     assert prefix_homogeneity(ours, reference(temperature, top_p)) > ALPHA
 
 
-def _plant_residual_bug(worker, planted: bool) -> None:
-    """In the worker: after a rejected draft, keep sampling from ``p`` instead of the
-    residual (tree rejection sampling keeps ``r = p``; block verification draws its
-    token from ``p``). ``planted=False`` restores the honest functions."""
-    from vllm_specbeam.core.verifiers import block, rejection
-
-    honest = getattr(rejection, "_honest", None) or (rejection.child_step, block.block_table)
-    rejection._honest = honest
-    child_step, block_table = honest
-
-    def no_residual_update(residual, draft, tokens):
-        return child_step(residual, draft, tokens)[0], residual
-
-    def stops_from_p(trees, target, row_starts):
-        table = block_table(trees, target, row_starts)
-        lengths = torch.tensor([tree.num_nodes for tree in trees])
-        positions = torch.arange(table.stops.shape[1])
-        rows = torch.as_tensor(row_starts[: len(trees)])[:, None] + torch.minimum(positions, lengths[:, None])
-        return block.BlockTable(table.ends, target.to(table.stops.dtype)[rows.to(target.device)])
-
-    rejection.child_step = no_residual_update if planted else child_step
-    block.block_table = stops_from_p if planted else block_table
-
-
 def test_planted_residual_bug_is_caught(engines, prompt, reference):
     """The check has teeth end to end: the README's planted bug fails it by a wide margin
     (p about 1e-24 where the old statistic, tokens 2-3 of 600 requests, gave 2e-4)."""
     llm = engines.get(LOOKUP)
-    llm.collective_rpc(_plant_residual_bug, args=(True,))
+    llm.collective_rpc(plant_residual_bug, args=(True,))
     try:
         buggy = sample_sequences(llm, prompt, 1.0)
     finally:
-        llm.collective_rpc(_plant_residual_bug, args=(False,))
+        llm.collective_rpc(plant_residual_bug, args=(False,))
     assert prefix_homogeneity(buggy, reference(1.0, 1.0)) < ALPHA**2
 
 
