@@ -438,7 +438,9 @@ def worker(job_path: Path) -> None:
         tree = llm.collective_rpc(_read_tree_stats)[0]
         if tree is not None:
             state_bytes = tree.pop(STATE_BYTES)
-            step_cost.update({key: tree.pop(key) for key in ("step_cost_intercept_s", "step_cost_per_row_s")})
+            step_cost.update(
+                {key: tree.pop(key) for key in ("step_cost_intercept_s", "step_cost_per_row_s") if key in tree}
+            )
             values.update({f"tree_{key}": value for key, value in tree.items()})
         if speculative_search.cache_info().currsize:
             stats = speculative_search().stats  # rounds are target passes; steps are tokens per beam

@@ -30,6 +30,8 @@ from test_sampling_engine import ADED
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import load_test
 
+from vllm_specbeam.core.config import parse
+
 STARTUP_SECONDS = 300
 #: The tree servers' KV cache: 2k tokens, far fewer than the load test's 200
 #: requests hold at once, so vLLM preempts some of them. The tiny model's K/V
@@ -56,7 +58,8 @@ def running_server(model: str, speculative_config: dict | None, log_path: Path, 
 
 @pytest.fixture(
     scope="module",
-    params=[LOOKUP, {**LOOKUP, "scope": "global"}, ADED, MCSD],
+    # the global scope at its defaults: the per-step budget ("max_nodes": "auto") under load
+    params=[LOOKUP, {"method": "lookup_tree", "prompt_lookup_min": 1, "scope": "global"}, ADED, MCSD],
     ids=lambda spec: "-".join([spec["method"], *([spec["scope"]] if "scope" in spec else [])]),
 )
 def spec(request, near_draft) -> dict:
@@ -116,9 +119,10 @@ def accepted_metrics(url: str) -> dict:
 
 
 def test_server_rejects_bad_per_request_option(server, spec, tiny_model):
-    bad = complete(server, tiny_model, "w1 w2 w3", vllm_xargs={"max_nodes": 64})
+    too_many = parse(spec, tiny_model, tiny_model).max_nodes + 1  # the engine's largest tree, plus one
+    bad = complete(server, tiny_model, "w1 w2 w3", vllm_xargs={"max_nodes": too_many})
     assert bad.status_code == 400
-    assert f"max_nodes=64 exceeds the engine's max_nodes={spec['max_nodes']}" in bad.text
+    assert f"max_nodes={too_many} exceeds the engine's max_nodes=" in bad.text
     good = complete(server, tiny_model, "w1 w2 w3", vllm_xargs=XARGS)
     assert good.status_code == 200
 
@@ -136,7 +140,9 @@ def test_server_under_load_with_faults_and_bad_input_stays_exact(server, spec, l
     eos, stop = load_test.finishes(calls, reference)
     assert eos > 0 and stop > 0, "the workload must end some greedy requests on EOS and some on a stop string"
     report = load_test.ServerReport(spec["method"], spec)
-    bad = load_test.bad_requests(tiny_model, spec["max_nodes"], MAX_MODEL_LEN, prompt_word="w1")
+    bad = load_test.bad_requests(
+        tiny_model, parse(spec, tiny_model, tiny_model).max_nodes, MAX_MODEL_LEN, prompt_word="w1"
+    )
     problems = load_test.run_plugin_server(server, report, calls, reference, bad, make_prompts(10), 1, FAULTS)
     assert problems == []
     sampled = sum(not call.greedy for call in calls)

@@ -276,12 +276,9 @@ class TreeRunnerMixin:
         """The counters as a plain dict, for readers through ``LLM.collective_rpc``
         (tests, benchmarks), and the drafter's memory now (not a counter)."""
         cost = None if self.budget is None else self.budget.cost
-        return {
-            **self.tree_counts.as_dict(),
-            STATE_BYTES: self.tree_drafter.state_bytes,
-            "step_cost_intercept_s": float("nan") if cost is None else cost.intercept,
-            "step_cost_per_row_s": float("nan") if cost is None else cost.slope,
-        }
+        # the budget's fitted cost line, once it has one (not a counter: readers take it as is)
+        line = {} if cost is None else {"step_cost_intercept_s": cost.intercept, "step_cost_per_row_s": cost.slope}
+        return {**self.tree_counts.as_dict(), STATE_BYTES: self.tree_drafter.state_bytes, **line}
 
     @property
     def tree_drafter(self) -> TreeDrafter:
