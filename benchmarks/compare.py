@@ -202,8 +202,8 @@ def tree_sweep(
     defaults.update(method.drafter_class().defaults_for(user or {}))
     if not method.prunable:
         grid = grid or [(defaults["num_speculative_tokens"], defaults["max_nodes"])]
-    sizes = [{"num_speculative_tokens": d, "max_nodes": n} for d, n in grid]
-    fixed = [Setting(f"d{d}/n{n}", dict(size), dict(size)) for (d, n), size in zip(grid, sizes)]
+    points = [{"num_speculative_tokens": d, "max_nodes": n} for d, n in grid]
+    fixed = [Setting(f"d{d}/n{n}", dict(point), dict(point)) for (d, n), point in zip(grid, points)]
     depth = max([defaults["num_speculative_tokens"], *(d for d, _ in grid)])
     if not method.prunable:
         return {"num_speculative_tokens": depth, "max_nodes": max(n for _, n in grid)}, fixed
