@@ -64,6 +64,16 @@ def make_prompts(count: int = 10, seed: int = 0) -> list[str]:
     return prompts
 
 
+def rpc_after_finished(llm, method):
+    """Rank 0's ``llm.collective_rpc(method)`` once the worker has heard of the requests
+    that finished last. vLLM's engine core tells it in one more step of its own, run
+    right after they finish, and serves RPCs between steps: a first call may come
+    before that step, a second one comes after it. (vLLM 0.32.0
+    vllm/v1/engine/core.py: ``run_busy_loop``, ``_process_input_queue``.)"""
+    llm.collective_rpc(method)
+    return llm.collective_rpc(method)[0]
+
+
 def tree_path(nodes: list[tuple[int, int]], node: int) -> list[int]:
     """Tokens from the root to ``node`` in a list of (token, parent) pairs (parent -1: the root)."""
     tokens = []

@@ -18,6 +18,7 @@ from vllm_specbeam.methods.aded import drafter as drafter_module
 from vllm_specbeam.methods.aded import mcts, trigram
 from vllm_specbeam.methods.aded.drafter import CONTEXT, CORPUS, AdedDrafter, Draft
 from vllm_specbeam.methods.aded.mcts import SearchParams, SuccessorTable, search, selection_scores
+from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 
 WORDS = ["[UNK]", "a", "b", "c", "d", "e", "f", "g"]
 
@@ -441,20 +442,26 @@ def test_remove_requests_frees_state() -> None:
 def test_iterations_follow_the_node_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     walks: list[int] = []
 
-    def counting(*args: object) -> mcts.SearchResult:
-        result = search(*args)  # type: ignore[arg-type]
+    def counting(*args: object, **kwargs: object) -> mcts.SearchResult:
+        result = search(*args, **kwargs)  # type: ignore[arg-type]
         walks.append(result.iterations)
         return result
 
     monkeypatch.setattr(drafter_module, "search", counting)
     drafter = AdedDrafter(options(max_nodes=16, iterations=150))
     prompt = [1, 2, 3, 4, 5, 6, 7] * 3 + [1, 2]
-    for budget in (16, 4, 1):
-        tree = drafter.propose([request("r", prompt, max_nodes=budget)])[0]
+    for budget in (16, 4, 1):  # the search alone
+        tree = drafter.propose([request("r", prompt, max_nodes=budget, prompt_lookup_max=0)])[0]
         assert 1 <= tree.num_nodes <= budget
     assert walks == [150, 38, 10]  # the root's visits: 150 x 4/16, 150 x 1/16, rounded up
-    drafter.propose([request("r", prompt, max_nodes=1, iterations=3)])
+    drafter.propose([request("r", prompt, max_nodes=1, iterations=3, prompt_lookup_max=0)])
     assert walks[-1] == 1  # never none
+    # The earlier "7 1 2"s went on "3 4 5 6": 4 of the nodes; the search gets the other 12.
+    walks.clear()
+    for budget in (16, 4):
+        tree = drafter.propose([request("r", prompt, max_nodes=budget)])[0]
+        assert tree.tokens[:4].tolist() == [3, 4, 5, 6]
+    assert walks == [113, 0]  # 150 x 12/16 rounded up; none when the matches fill the budget
     auto = AdedDrafter({**options(), "max_nodes": "auto", "auto_max_nodes": 16})  # the per-step budget's cap is full
     assert [auto.iterations(150, budget) for budget in (16, 4, 1)] == [150, 38, 10]
 
@@ -478,10 +485,10 @@ def corpus_of(trigrams: dict[tuple[int, int], int], vocab: int = 64) -> trigram.
 
 def generate(drafter: AdedDrafter, truth: list[int], start: int, steps: int) -> list[tuple[DraftTree, float]]:
     """Greedy steps against ``truth``: each commits the drafted path matching it, then one more token.
-    Per step: the draft and the corpus weight it was drafted with."""
+    Per step: the draft (of the tri-gram search alone) and the corpus weight it was drafted with."""
     length, out = start, []
     for _ in range(steps):
-        tree = drafter.propose([request("r", truth[:length])])[0]
+        tree = drafter.propose([request("r", truth[:length], prompt_lookup_max=0)])[0]
         out.append((tree, drafter._requests["r"].record.corpus_weight))
         node, kept = ROOT, 0
         while True:
@@ -516,3 +523,24 @@ def test_a_right_corpus_gains_weight() -> None:
     weights = [w for _, w in steps]
     assert weights[0] == 1.0 and all(b > a for a, b in itertools.pairwise(weights)) and weights[-1] > 1.5
     assert steps[0][0].tokens.tolist() == truth[3:7]  # the corpus's one successor per state: a chain, 4 deep
+
+
+# ---------------------------------------------------------------- what lookup_tree drafts, first
+@pytest.mark.parametrize("budget", [1, 3, 16])
+def test_the_tree_starts_with_what_lookup_tree_drafts(budget: int) -> None:
+    """aded's first nodes are lookup_tree's own (request-scope) tree, node for node;
+    the search fills what the budget has left."""
+    prompt = np.random.default_rng(budget).integers(0, 4, size=60)  # 4 tokens: repeats everywhere
+    lookup = LookupTreeDrafter({**options(), **{k: o.default for k, o in LookupTreeDrafter.OPTIONS.items()}})
+    expected = lookup.propose([DraftRequest("r", prompt, {**lookup.options, "max_nodes": budget})])[0]
+    tree = AdedDrafter(options()).propose([request("r", prompt.tolist(), max_nodes=budget)])[0]
+    first = tree.truncate(expected.num_nodes)
+    assert expected.num_nodes >= 1
+    assert first.tokens.tolist() == expected.tokens.tolist() and first.parents.tolist() == expected.parents.tolist()
+    assert tree.num_nodes == budget  # the search filled the rest (the 4 tokens have successors)
+
+
+def test_prompt_lookup_options_are_checked() -> None:
+    with pytest.raises(SpecbeamConfigError, match="prompt_lookup_min=4 must not exceed prompt_lookup_max=3"):
+        AdedDrafter.check_options(options(prompt_lookup_min=4, prompt_lookup_max=3))
+    AdedDrafter.check_options(options(prompt_lookup_min=4, prompt_lookup_max=0))  # off: min unused

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_prompts
-from test_lookup_tree_engine import greedy, runner_stats, token_ids
+from conftest import make_prompts, rpc_after_finished
+from test_lookup_tree_engine import _read_stats, greedy, runner_stats, token_ids
 
 from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
-from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter, match_ends
+from vllm_specbeam.core.lookup import match_ends
+from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 from vllm_specbeam.methods.lookup_tree.index import SEPARATOR, SuffixIndex
 
 
@@ -156,7 +157,7 @@ def test_drafts_stop_at_max_tokens_and_the_index_memory_is_reported(engines) -> 
     assert runner_stats(llm)[STATE_BYTES] == 0
     first = token_ids(llm.generate([prompt], greedy(32)))[0]
     indexed = len(llm.get_tokenizer().encode(prompt)) + len(first)
-    assert runner_stats(llm)[STATE_BYTES] == 8 * (indexed + 1)
+    assert rpc_after_finished(llm, _read_stats)[STATE_BYTES] == 8 * (indexed + 1)  # indexed once finished
     before = runner_stats(llm)
     again = token_ids(llm.generate([prompt], greedy(12)))[0]
     after = runner_stats(llm)

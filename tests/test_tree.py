@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from vllm_specbeam.adapter.attention.cpu import TreeStep
+from vllm_specbeam.core.lookup import match_ends
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.core.verifiers.greedy import GreedyTreeVerifier, greedy_path
-from vllm_specbeam.methods.lookup_tree.drafter import match_ends
 
 #        root
 #       /    \

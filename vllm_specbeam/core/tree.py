@@ -178,6 +178,14 @@ class DraftTree:
             node = int(self.parents[node])
         return path[::-1]
 
+    def leaf_paths(self) -> list[np.ndarray]:
+        """Token paths from the first level to every leaf, leaves in node order:
+        :meth:`from_paths` of them holds the same nodes. Example: tokens
+        ``[5, 6, 7]``, parents ``[-1, 0, 0]``: ``[[5, 6], [5, 7]]``."""
+        inner = np.zeros(self.num_nodes, bool)  # [num_nodes]
+        inner[self.parents[self.parents != ROOT]] = True
+        return [self.tokens[self.path_to(int(leaf))] for leaf in np.flatnonzero(~inner)]
+
     def with_tokens(self, tokens: np.ndarray, draft_probs: np.ndarray | None = None) -> DraftTree:
         """A tree shaped like this one's first ``len(tokens)`` nodes, holding ``tokens``.
 

@@ -7,6 +7,19 @@ builds the draft tree. The corpus matrix is optional: without one, drafts
 come from the request's own prompt and output, like prompt lookup but with
 a search over branches.
 
+Before the search, the tree gets what ``lookup_tree`` would draft: the
+continuations of every earlier occurrence, in the request's own tokens, of
+its longest recent n-gram (``prompt_lookup_min`` to ``prompt_lookup_max``
+tokens). A tri-gram state only remembers two tokens, so below a repeated
+line the search wanders off along whichever successor of the last two
+tokens is most common, while the earlier occurrence says exactly how the
+line went on. Those branches come first (the node budget keeps them first;
+the per-step budget learns their acceptance by sibling rank), the search
+fills the rest of the budget and only runs for what is left (a budget the
+matches already fill runs no search at all). ``"prompt_lookup_max": 0`` is
+the paper's tri-gram search alone. (An extension of the paper, measured in
+the README.)
+
 Adaptation counts each committed tri-gram once, when it is committed: a new
 request's whole prompt (or its last ``adapt_window`` tokens, when set and
 there is a corpus), then the tokens each step adds. The paper re-raises every tri-gram of the sliding 16-token window
@@ -54,6 +67,7 @@ import numpy as np
 
 from vllm_specbeam.core.config import Option, SpecbeamConfigError, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
+from vllm_specbeam.core.lookup import continuations, match_ends
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.aded import trigram
 from vllm_specbeam.methods.aded.mcts import SearchParams, search
@@ -63,6 +77,8 @@ CORPUS, CONTEXT = 0, 1
 #: each step's counts are added to the older ones times this: a source's record
 #: reaches back about ``1 / (1 - SOURCE_DECAY)`` = 10 steps
 SOURCE_DECAY = 0.9
+#: most recent earlier occurrences of the recent n-gram drafted (``lookup_tree``'s default)
+MAX_MATCHES = 64
 #: pseudo-counts every source starts from: half a node kept of one checked
 SOURCE_PRIOR_KEPT, SOURCE_PRIOR_CHECKED = 0.5, 1.0
 
@@ -187,6 +203,14 @@ class AdedDrafter(TreeDrafter):
             "adapt one matrix shared by all requests instead of this request's own "
             "(what a request learns then helps, or misleads, every later request)",
         ),
+        "prompt_lookup_min": Option(2, "shortest recent n-gram whose earlier continuations are drafted first", 1, 64),
+        "prompt_lookup_max": Option(
+            5,
+            "longest recent n-gram whose earlier continuations (in the request's own tokens) are drafted "
+            "before the search; 0 = none: the tri-gram search alone, as in the paper",
+            0,
+            64,
+        ),
         "seed": Option(0, "seed of the MCTS roll-outs (drafts are reproducible per context length)", 0, 2**31 - 1),
     }
 
@@ -196,6 +220,15 @@ class AdedDrafter(TreeDrafter):
         #: gains of every request that opted in to ``global_update``, read by all
         self.shared = trigram.Overlay()
         self._requests: dict[str, _RequestState] = {}
+
+    @staticmethod
+    def check_options(options: Mapping[str, Any]) -> None:
+        low, high = options["prompt_lookup_min"], options["prompt_lookup_max"]
+        if high and low > high:
+            raise SpecbeamConfigError(
+                f"aded: prompt_lookup_min={low} must not exceed prompt_lookup_max={high} "
+                "(or set prompt_lookup_max to 0 to draft from the tri-gram search alone)"
+            )
 
     @staticmethod
     def check_startup(options: Mapping[str, Any]) -> None:
@@ -218,24 +251,28 @@ class AdedDrafter(TreeDrafter):
             cap=options["adapt_cap"],
             corpus_weight=state.record.corpus_weight,
         )
-        budget = options["max_nodes"]
+        budget, depth = options["max_nodes"], options["num_speculative_tokens"]
+        matched = _matched_paths(tokens, options, depth, budget)
         params = SearchParams(
-            iterations=self.iterations(options["iterations"], budget),
+            iterations=self.iterations(options["iterations"], budget - matched.num_nodes),
             num_paths=options["num_paths"],
-            depth=options["num_speculative_tokens"],
+            depth=depth,
             max_nodes=budget,
         )
         rng = np.random.default_rng((options["seed"], tokens.size))
         w1, w2 = int(tokens[-2]), int(tokens[-1])
-        tree = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng).tree
+        tree = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng, first=matched.leaf_paths()).tree
         if tree.num_nodes and self.matrix.num_keys:  # without a corpus every node is the context's
-            state.draft = Draft(tree, _sources(tree, w1, w2, lookup), tokens.size)
+            sources = _sources(tree, w1, w2, lookup)
+            sources[: matched.num_nodes] = CONTEXT  # the matches' nodes, first in the tree
+            state.draft = Draft(tree, sources, tokens.size)
         return tree
 
     def iterations(self, iterations: int, budget: int) -> int:
-        """Walks for a step's node budget: ``iterations`` at the engine's full budget,
-        proportionally fewer below it (150 at 16 nodes: 38 at 4, 10 at 1)."""
-        return max(1, math.ceil(iterations * min(1.0, budget / node_cap(self.options))))
+        """Walks for the nodes a step leaves to the search: ``iterations`` at the engine's
+        full budget, proportionally fewer below it (150 at 16 nodes: 38 at 4, 10 at 1,
+        none at 0)."""
+        return max(0, math.ceil(iterations * min(1.0, budget / node_cap(self.options))))
 
     def _observe(self, req_id: str, tokens: np.ndarray, options: Mapping[str, Any]) -> _RequestState:
         """Add the tri-grams committed since this request's last step (only those),
@@ -266,6 +303,16 @@ class AdedDrafter(TreeDrafter):
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._requests.pop(req_id, None)
+
+
+def _matched_paths(tokens: np.ndarray, options: Mapping[str, Any], depth: int, budget: int) -> DraftTree:
+    """What ``lookup_tree`` drafts (its request scope): the continuations of every earlier
+    occurrence of the longest recent n-gram, merged, the most frequent kept first."""
+    if not options["prompt_lookup_max"]:
+        return DraftTree.empty()
+    found = match_ends(tokens[:-1], tokens, options["prompt_lookup_min"], options["prompt_lookup_max"])
+    paths = continuations(tokens, found, depth)[:MAX_MATCHES]
+    return DraftTree.from_weighted_paths(paths, np.ones(len(paths)), budget)
 
 
 def _sources(tree: DraftTree, w1: int, w2: int, lookup: Callable[[np.ndarray], trigram.Continuations]) -> np.ndarray:

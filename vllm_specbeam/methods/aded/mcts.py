@@ -239,12 +239,20 @@ class _Tree:
         self.state[nodes] = states.follow(self.state[parents], self.slot[nodes])
 
 
-def search(successors: Successors, w1: int, w2: int, params: SearchParams, rng: np.random.Generator) -> SearchResult:
-    """Run the search below context ``... w1 w2`` and merge its best paths into a tree."""
+def search(
+    successors: Successors,
+    w1: int,
+    w2: int,
+    params: SearchParams,
+    rng: np.random.Generator,
+    first: Sequence[Sequence[int] | np.ndarray] = (),
+) -> SearchResult:
+    """Run the search below context ``... w1 w2`` and merge its best paths into a tree,
+    after the paths ``first`` (which the node budget keeps first)."""
     states = _States(successors, 64)  # grows as the walks reach new states
     root = int(states.rows_of(np.array([[w1, w2]]))[0])
-    if states.count[root] == 0 or params.depth < 1:
-        return SearchResult(DraftTree.empty(), 0)
+    if states.count[root] == 0 or params.depth < 1 or params.iterations < 1:
+        return SearchResult(DraftTree.from_paths(first, params.max_nodes), 0)
     tree = _Tree(2 + params.iterations, root)  # the last node is never used: children NONE (-1) read it
     uniforms = rng.random((params.iterations, params.depth))  # [iterations, depth], one row per walk
     done = 0  # walks started
@@ -255,7 +263,8 @@ def search(successors: Successors, w1: int, w2: int, params: SearchParams, rng: 
         _backup(tree, leaves, rewards)
         done += walks
     paths = _ranked_paths(tree, states, params)
-    return SearchResult(DraftTree.from_paths(paths[: params.num_paths], params.max_nodes), int(tree.visits[0]))
+    tree_of_paths = DraftTree.from_paths([*first, *paths[: params.num_paths]], params.max_nodes)
+    return SearchResult(tree_of_paths, int(tree.visits[0]))
 
 
 def _select(tree: _Tree, states: _States, params: SearchParams, walks: int) -> np.ndarray:

@@ -19,54 +19,15 @@ match drafts 3 deep, a request repeating an earlier answer 24 deep.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from vllm_specbeam.core.config import Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
+from vllm_specbeam.core.lookup import NO_MATCH, continuations, match_ends
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.methods.lookup_tree.index import SuffixIndex
-
-
-@dataclass(frozen=True)
-class Matches:
-    """Where the query's longest matched suffix n-gram ends in a haystack, most recent first."""
-
-    ends: np.ndarray  # [matches]
-    length: int  # the n-gram's length (0: none of at least the minimum)
-
-
-NO_MATCH = Matches(np.zeros(0, np.int64), 0)
-
-
-def match_ends(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) -> Matches:
-    """Occurrences in ``haystack`` of the longest suffix n-gram of ``query``.
-
-    Looks for the suffix of length ``n`` for the largest ``n`` in
-    ``[min_n, max_n]`` that occurs in ``haystack``, and returns the index of
-    the last token of every such occurrence, most recent first. A request's
-    own history is ``match_ends(tokens[:-1], tokens, ...)``. Vectorised:
-    candidates are the positions of the query's last token, extended
-    backwards together. Example: haystack ``[5, 1, 2, 3, 9, 1, 2, 4]`` and a
-    query ending ``[7, 1, 2]`` match "1 2" (length 2) ending at 6 and 2.
-    """
-    length = query.size
-    if length < min_n or haystack.size == 0:
-        return NO_MATCH
-    ends = np.flatnonzero(haystack == query[-1])
-    matched = np.ones(ends.size, np.int64)
-    alive = np.ones(ends.size, bool)
-    for k in range(1, min(max_n, length)):
-        ok = alive & (ends - k >= 0)
-        ok[ok] = haystack[ends[ok] - k] == query[-1 - k]
-        alive = ok
-        matched += alive
-    best = int(min(matched.max(initial=0), max_n))
-    if best < min_n:
-        return NO_MATCH
-    return Matches(ends[matched >= best][::-1], best)
 
 
 class LookupTreeDrafter(TreeDrafter):
@@ -150,7 +111,7 @@ class LookupTreeDrafter(TreeDrafter):
         found = match_ends(self.index.corpus, tokens, low, high) if self.index is not None else NO_MATCH
         if opts["depth_factor"] > 0:  # a 3-token match at factor 1: at most 3 deep
             depth = min(depth, max(1, int(opts["depth_factor"] * max(own.length, found.length))))
-        paths = [tokens[end + 1 : end + 1 + depth] for end in own.ends] if own.length >= found.length else []
+        paths = continuations(tokens, own, depth) if own.length >= found.length else []
         if self.index is not None and found.length >= own.length:
             paths += [self.index.continuation(end, depth) for end in found.ends]
         paths = [p for p in paths[: opts["max_matches"]] if p.size]

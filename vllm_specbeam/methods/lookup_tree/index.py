@@ -10,7 +10,7 @@ request runs, never what it outputs.
 The sequences sit end to end in one array with a separator (``-1``, never a
 token id) after each, so a match never spans two requests and a continuation
 stops at its request's end. Matching is a vectorised scan of that array
-(:func:`~vllm_specbeam.methods.lookup_tree.drafter.match_ends`), linear in
+(:func:`~vllm_specbeam.core.lookup.match_ends`), linear in
 the indexed tokens: 0.30 ms per request and step at the default cap of 2^18
 tokens (measured once on this 2-core CPU: 512 random sequences of 512 tokens
 from a 49,152-token vocabulary, a 600-token query; text with frequent

@@ -1,0 +1,57 @@
+"""Prompt lookup: where the recent n-gram occurred before.
+
+Shared by ``lookup_tree`` (its whole draft) and ``aded`` (the branches it
+drafts before its tri-gram search).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Matches:
+    """Where the query's longest matched suffix n-gram ends in a haystack, most recent first."""
+
+    ends: np.ndarray  # [matches]
+    length: int  # the n-gram's length (0: none of at least the minimum)
+
+
+NO_MATCH = Matches(np.zeros(0, np.int64), 0)
+
+
+def match_ends(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) -> Matches:
+    """Occurrences in ``haystack`` of the longest suffix n-gram of ``query``.
+
+    Looks for the suffix of length ``n`` for the largest ``n`` in
+    ``[min_n, max_n]`` that occurs in ``haystack``, and returns the index of
+    the last token of every such occurrence, most recent first. A request's
+    own history is ``match_ends(tokens[:-1], tokens, ...)``. Vectorised:
+    candidates are the positions of the query's last token, extended
+    backwards together. Example: haystack ``[5, 1, 2, 3, 9, 1, 2, 4]`` and a
+    query ending ``[7, 1, 2]`` match "1 2" (length 2) ending at 6 and 2.
+    """
+    length = query.size
+    if length < min_n or haystack.size == 0:
+        return NO_MATCH
+    ends = np.flatnonzero(haystack == query[-1])
+    matched = np.ones(ends.size, np.int64)
+    alive = np.ones(ends.size, bool)
+    for k in range(1, min(max_n, length)):
+        ok = alive & (ends - k >= 0)
+        ok[ok] = haystack[ends[ok] - k] == query[-1 - k]
+        alive = ok
+        matched += alive
+    best = int(min(matched.max(initial=0), max_n))
+    if best < min_n:
+        return NO_MATCH
+    return Matches(ends[matched >= best][::-1], best)
+
+
+def continuations(tokens: np.ndarray, matches: Matches, depth: int) -> list[np.ndarray]:
+    """Up to ``depth`` tokens after each match in ``tokens`` (the haystack plus the
+    query's last token), most recent match first. Example: tokens ``[5, 1, 2, 3, 9,
+    1, 2, 4, 1, 2]`` (matches of "1 2" end at 6 and 2), depth 2: ``[[4, 1], [3, 9]]``."""
+    return [tokens[end + 1 : end + 1 + depth] for end in matches.ends]
