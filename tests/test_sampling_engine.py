@@ -150,14 +150,27 @@ def reference(engines, prompt):
     return get
 
 
-@pytest.mark.parametrize("spec", [LOOKUP, ADED], ids=["lookup_tree", "aded"])
-@pytest.mark.parametrize(("temperature", "top_p"), CASES)
+#: the per-step budget cuts trees by their shapes and the requests' histories only: sampling stays the target's
+ADED_AUTO = {**ADED, "max_nodes": "auto", "auto_max_nodes": 12}
+SPEC_CASES = [
+    *[
+        pytest.param(spec, *case, id=f"{name}-{case}")
+        for spec, name in ((LOOKUP, "lookup_tree"), (ADED, "aded"))
+        for case in CASES
+    ],
+    pytest.param(ADED_AUTO, *CASES[0], id=f"aded-auto-{CASES[0]}"),
+]
+
+
+@pytest.mark.parametrize(("spec", "temperature", "top_p"), SPEC_CASES)
 def test_tree_sampling_matches_target_distribution(engines, prompt, reference, spec, temperature, top_p):
     llm = engines.get(spec)
     before = runner_stats(llm)
     ours = sample_sequences(llm, prompt, temperature, top_p)
     after = runner_stats(llm)
     assert after["trees"] > before["trees"] and after["accepted"] > before["accepted"]
+    if spec is ADED_AUTO:  # the budget chose the trees
+        assert after["budget_asked"] > before["budget_asked"]
     if spec is LOOKUP:  # few matches often make a single chain: block verification has run too
         assert after["block_verified"] > 0
     assert prefix_homogeneity(ours, reference(temperature, top_p)) > ALPHA
