@@ -62,7 +62,7 @@ class DraftTree:
         return cls(np.asarray(tokens, np.int64), np.arange(len(tokens)) - 1)
 
     @classmethod
-    def from_paths(cls, paths: Iterable[Sequence[int]], max_nodes: int | None = None) -> DraftTree:
+    def from_paths(cls, paths: Iterable[Sequence[int] | np.ndarray], max_nodes: int | None = None) -> DraftTree:
         """Merge token paths into a trie, in the order given.
 
         Earlier paths win when ``max_nodes`` runs out, so callers pass their
