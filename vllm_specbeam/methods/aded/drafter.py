@@ -29,7 +29,8 @@ happened to accept.
 
 The search's walks follow the step's node budget: ``iterations`` is what a
 tree of the engine's full ``max_nodes`` gets, and a step that may only draft
-4 of 16 nodes runs a quarter of them (at least one walk). A step that drafts
+4 of 16 nodes runs a quarter of them, and one whose budget the prompt-lookup
+branches already fill runs none. A step that drafts
 one or two tokens needs only the best one or two paths, and the runner asks
 for small trees exactly when drafting does not pay.
 
