@@ -317,7 +317,11 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             status[LOOKUP_GLOBAL] = MethodStatus("plugin")
             global_sizes, global_settings = tree_sweep(method, GLOBAL_GRID[args.sweep], {"scope": "global"})
             global_config = {**config, **global_sizes, "scope": "global"}
-            engines.append(EngineSpec("lookup_tree-global", LOOKUP_GLOBAL, "plugin", global_config, global_settings))
+            # One engine per setting: a setting run after another would draft from the text
+            # the earlier one indexed, so a workload without repetition would have some.
+            for setting in global_settings:
+                engine_id = f"lookup_tree-global-{setting.label.replace('/', '-')}"
+                engines.append(EngineSpec(engine_id, LOOKUP_GLOBAL, "plugin", global_config, [setting]))
         if name == "aded" and args.trigram:
             # The same method started from a corpus matrix, as its own row.
             status[ADED_CORPUS] = MethodStatus("plugin")

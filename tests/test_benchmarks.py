@@ -303,13 +303,17 @@ def test_plan_follows_plugin_methods(monkeypatch):
 
 
 def test_plan_runs_lookup_tree_global_as_its_own_row():
-    """The global scope on an engine of its own (its index is engine-wide), deeper settings; alone when named."""
+    """The global scope on engines of its own (its index is engine-wide), one per setting so that no
+    setting drafts from text an earlier one indexed, deeper settings; alone when named."""
     status, engines = compare.plan(plan_args(methods=[compare.LOOKUP_GLOBAL]))
-    assert [e.id for e in engines] == ["lookup_tree-global", "none"] and "lookup_tree" not in status
-    config = engines[0].speculative_config
     grid = compare.GLOBAL_GRID["quick"]
+    labels = ["auto", *(f"d{d}-n{n}" for d, n in grid)]
+    assert [e.id for e in engines] == [*(f"lookup_tree-global-{label}" for label in labels), "none"]
+    assert "lookup_tree" not in status and all(len(e.settings) == 1 for e in engines[:-1])
+    config = engines[0].speculative_config
+    assert all(e.speculative_config == config for e in engines[:-1])
     assert config["scope"] == "global" and config["num_speculative_tokens"] == max(d for d, _ in grid)
-    assert [s.extra_args for s in engines[0].settings] == [
+    assert [e.settings[0].extra_args for e in engines[:-1]] == [
         {"num_speculative_tokens": 24, "max_nodes": "auto", "auto_max_nodes": 48},  # the scope's defaults
         *({"num_speculative_tokens": d, "max_nodes": n} for d, n in grid),
     ]
