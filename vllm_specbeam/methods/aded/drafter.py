@@ -28,11 +28,11 @@ make a tri-gram's weight depend on how many tokens the steps around it
 happened to accept.
 
 The search's walks follow the step's node budget: ``iterations`` is what a
-tree of the engine's full ``max_nodes`` gets, and a step that may only draft
-4 of 16 nodes runs a quarter of them, and one whose budget the prompt-lookup
-branches already fill runs none. A step that drafts
-one or two tokens needs only the best one or two paths, and the runner asks
-for small trees exactly when drafting does not pay.
+tree of the engine's full ``max_nodes`` gets: a step that may only draft 4
+of 16 nodes runs a quarter of them, one whose budget the prompt-lookup
+branches already fill runs none. A step that drafts one or two tokens needs
+only the best one or two paths, and the runner asks for small trees exactly
+when drafting does not pay.
 
 With a corpus, two sources propose successors: the corpus matrix and the
 request's own tri-grams (its overlay, and the shared one). Each drafted node
