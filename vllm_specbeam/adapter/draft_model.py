@@ -36,7 +36,6 @@ checked with draft layers.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -149,7 +148,7 @@ class WorkerDraftRuntime:
     def __init__(self, runner: Any, draft_model: str) -> None:
         """Load the draft next to ``runner``'s target (from the runner's ``load_model``, after the target)."""
         from vllm.compilation.backends import set_model_tag
-        from vllm.config import CompilationMode, ModelConfig, get_layers_from_vllm_config
+        from vllm.config import ModelConfig, get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
         from vllm.model_executor.model_loader import get_model
 
@@ -166,15 +165,10 @@ class WorkerDraftRuntime:
             enforce_eager=target.enforce_eager,
         )
         before = set(get_layers_from_vllm_config(config, Attention))
-        # The draft runs eagerly: compiled lazily in its first forward it stalled an engine
-        # for minutes on a loaded 2-core CPU (docs/draft-runtime.md: 27 s unloaded). The shallow
-        # copy keeps the target's static_forward_context, which puts the draft's layers into
-        # the runner's KV-cache spec.
-        compilation = copy.copy(config.compilation_config)
-        compilation.mode = CompilationMode.NONE
-        self.vllm_config = dataclasses.replace(
-            config, model_config=draft_config, quant_config=None, compilation_config=compilation
-        )
+        # The draft shares the target's compilation_config, as vLLM's DraftModelProposer's does:
+        # its static_forward_context puts the draft's layers into the runner's KV-cache spec, and
+        # the draft is compiled like the target (under its own model tag), at start-up by warm_up.
+        self.vllm_config = dataclasses.replace(config, model_config=draft_config, quant_config=None)
         with set_model_tag("draft_model"):
             self.model = get_model(vllm_config=self.vllm_config, prefix="draft_model")
         layers = get_layers_from_vllm_config(config, Attention)
@@ -206,6 +200,26 @@ class WorkerDraftRuntime:
                 f"the target's block size"
             )
         self._group = groups[0]
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int = 16) -> None:
+        """Compile the draft at start-up (the worker's warm-up), as vLLM's warm-up compiles the target.
+
+        Compiled lazily instead, the first request's step would pay the compile
+        (27 s on this 2-core CPU for the Qwen2.5-Coder-0.5B draft; minutes under
+        load). One graph serves every row count (vLLM marks the token dimension
+        dynamic). Without attention metadata and with no slot mapping, vLLM's
+        CPU attention returns at once and writes no K/V, as in its own warm-up.
+        """
+        from vllm.config import CompilationMode
+        from vllm.forward_context import set_forward_context
+
+        if self.vllm_config.compilation_config.mode == CompilationMode.NONE:
+            return
+        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens, slot_mapping={}):
+            self.model(
+                input_ids=torch.zeros(num_tokens, dtype=torch.int64), positions=torch.arange(num_tokens)
+            )  # [num_tokens, hidden], discarded
 
     # ------------------------------------------------------------ the DraftRuntime API
     @property

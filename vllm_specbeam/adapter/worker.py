@@ -9,6 +9,8 @@ vLLM's own workers and runners.
 
 from __future__ import annotations
 
+from typing import Any
+
 from typing_extensions import override
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -67,6 +69,16 @@ class TreeCPUWorker(_ByName, CPUWorker):
         _check_v1_runner(self)
         with patches.replaced(patches.CPU_WORKER_RUNNER, tree_runner_class):
             super().init_device()
+
+    @override
+    def compile_or_warm_up_model(self) -> Any:
+        # vLLM 0.32.0 v1/worker/cpu_worker.py warms up (compiles) the target only;
+        # the in-worker draft (adapter/draft_model.py) is compiled here, before the first request.
+        times = super().compile_or_warm_up_model()
+        runtime = getattr(self.model_runner, "draft_runtime", None)
+        if runtime is not None:
+            runtime.warm_up()
+        return times
 
 
 class TreeGPUWorker(_ByName, Worker):
