@@ -86,6 +86,11 @@ def _check(worker, draft: str) -> dict:
     return {"worst": worst, "counts": counts, "stats": dict(worker.model_runner.tree_stats)}
 
 
+def _draft_compiled(worker) -> bool:
+    # vLLM 0.32.0 compilation/decorators.py: set on the decorated decoder once it is compiled
+    return bool(getattr(worker.model_runner.draft_runtime.model.model, "compiled", False))
+
+
 def _counter(llm, name: str) -> float:
     return next(m.value for m in llm.get_metrics() if m.name == name)
 
@@ -108,6 +113,8 @@ def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wid
 
     spec = {"method": "dsbd", "model": wide_draft, "num_speculative_tokens": 3, "max_nodes": 8, "max_width": 2}
     llm = engines.get(spec)
+    # Compiled at start-up (the worker's warm-up), not in the first request's step.
+    assert llm.collective_rpc(_draft_compiled) == [True]
     llm.collective_rpc(_record)
     prompts = [make_prompts(10)[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

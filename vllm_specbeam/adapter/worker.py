@@ -73,12 +73,12 @@ class TreeCPUWorker(_ByName, CPUWorker):
     @override
     def compile_or_warm_up_model(self) -> Any:
         # vLLM 0.32.0 v1/worker/cpu_worker.py warms up (compiles) the target only;
-        # the in-worker draft (adapter/draft_model.py) is compiled here, before the first request.
-        times = super().compile_or_warm_up_model()
+        # the in-worker draft (adapter/draft_model.py) is compiled here, before the first
+        # request and before vLLM's compile_or_warm_up_model resets the random seed.
         runtime = getattr(self.model_runner, "draft_runtime", None)
         if runtime is not None:
             runtime.warm_up()
-        return times
+        return super().compile_or_warm_up_model()
 
 
 class TreeGPUWorker(_ByName, Worker):
