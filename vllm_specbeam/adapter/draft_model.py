@@ -202,20 +202,22 @@ class WorkerDraftRuntime:
         self._group = groups[0]
 
     @torch.inference_mode()
-    def warm_up(self, num_tokens: int = 16) -> None:
+    def warm_up(self) -> None:
         """Compile the draft at start-up (the worker's warm-up), as vLLM's warm-up compiles the target.
 
         Compiled lazily instead, the first request's step would pay the compile
-        (27 s on this 2-core CPU for the Qwen2.5-Coder-0.5B draft; minutes under
-        load). One graph serves every row count (vLLM marks the token dimension
-        dynamic). Without attention metadata and with no slot mapping, vLLM's
-        CPU attention returns at once and writes no K/V, as in its own warm-up.
+        (26.7 s for a tiny draft in docs/draft-runtime.md's spike, minutes on a
+        loaded machine). vLLM compiles one graph for the engine's range of token
+        counts, so a few dummy tokens compile what every later forward uses.
+        Without attention metadata and with no slot mapping, vLLM's CPU
+        attention returns at once and writes no K/V, as in its own warm-up.
         """
         from vllm.config import CompilationMode
         from vllm.forward_context import set_forward_context
 
         if self.vllm_config.compilation_config.mode == CompilationMode.NONE:
             return
+        num_tokens = 16
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens, slot_mapping={}):
             self.model(
                 input_ids=torch.zeros(num_tokens, dtype=torch.int64), positions=torch.arange(num_tokens)
