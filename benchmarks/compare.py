@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,10 @@ SUFFIX_GRID = {"none": [24], "quick": [24, 4], "full": [24, 8, 4]}
 #: ``aded`` started from the ``--trigram`` matrix, reported next to ``aded``
 #: without a corpus.
 ADED_CORPUS = "aded+corpus"
+
+#: With ``--draft-vocab``: every plugin engine with a draft model runs again with
+#: that ``draft_vocab``, its row named with this suffix (``mcsd+vocab``).
+VOCAB_SUFFIX = "+vocab"
 
 #: Hook for beam comparisons: plugin methods whose output is a beam search
 #: result. When one of them is available, vLLM's ``LLM.beam_search`` runs as
@@ -328,6 +332,14 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             engines.append(
                 EngineSpec("aded-corpus", ADED_CORPUS, "plugin", {**config, "trigram": args.trigram_path}, settings)
             )
+
+    if args.draft_vocab_path:
+        drafting = [e for e in engines if e.kind == "plugin" and e.method != SPEC_BEAM and e.speculative_config]
+        for engine in [e for e in drafting if "model" in (e.speculative_config or {})]:
+            row = engine.method + VOCAB_SUFFIX
+            status[row] = MethodStatus("plugin")
+            config = {**(engine.speculative_config or {}), "draft_vocab": args.draft_vocab_path}
+            engines.append(replace(engine, id=engine.id + "-vocab", method=row, speculative_config=config))
 
     if (wanted is None and available_beam) or (wanted is not None and "beam_search" in wanted):
         status["beam_search"] = MethodStatus("beam")
@@ -740,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model_path, args.draft_path = resolve_model(args.model), resolve_model(args.draft)
     args.trigram_path = str(Path(args.trigram).resolve()) if args.trigram else None
     args.stop_model_path = str(Path(args.stop_model).resolve()) if args.stop_model else None
+    args.draft_vocab_path = str(Path(args.draft_vocab).resolve()) if args.draft_vocab else None
     prompts = load_prompts(args.prompts, args.num_prompts)
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -834,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
             "ignore_eos": True,
             "trigram": args.trigram_path,
             "stop_model": args.stop_model_path,
+            "draft_vocab": args.draft_vocab_path,
             "plugin_sweep": "per-request extra_args on one engine started at the grid's maximum depth and nodes",
         },
         "environment": environment(args.model_path, args.draft_path),
@@ -995,6 +1009,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--stop-model",
         default=None,
         help=f"also run mcsd with this stop model (vllm-specbeam mcsd train), reported as {MCSD_STOP!r}",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        default=None,
+        help="also run every plugin draft-model method with this draft vocabulary (vllm-specbeam draft-vocab "
+        f"build), reported as '<method>{VOCAB_SUFFIX}'",
     )
     parser.add_argument("--prompts", default="humaneval", help=f"{' | '.join(BUILTIN)} | path to JSONL with 'prompt'")
     parser.add_argument("--num-prompts", type=int, default=8)

@@ -80,6 +80,29 @@ def test_draft_model_problems(tiny_model, tiny_draft, tmp_path):
             engine_config(tiny_model, {"method": "dsbd", "model": tiny_draft, option: value})
 
 
+def test_draft_vocabulary_problems(tiny_model, tiny_draft, tmp_path):
+    from tiny_model import build_tiny_model
+
+    from vllm_specbeam.core.corpus import load_tokenizer
+    from vllm_specbeam.draft_runtime import vocab
+
+    spec = {"method": "mcsd", "model": tiny_draft}
+    missing = tmp_path / "missing"
+    with pytest.raises(SpecbeamConfigError, match=r"not a draft vocabulary directory .*draft-vocab build"):
+        engine_config(tiny_model, {**spec, "draft_vocab": str(missing)})
+    (tmp_path / "corpus.txt").write_text("v1 v2 v2")
+    other = load_tokenizer(str(build_tiny_model(tmp_path / "other-vocab", word_prefix="v")))
+    vocab.build([tmp_path / "corpus.txt"], other, progress=False).save(tmp_path / "other")
+    with pytest.raises(SpecbeamConfigError, match=r"was built with tokenizer .*rebuild it: vllm-specbeam draft-vocab"):
+        engine_config(tiny_model, {**spec, "draft_vocab": str(tmp_path / "other")})
+    (tmp_path / "corpus.txt").write_text("w1 w2 w2")
+    vocab.build([tmp_path / "corpus.txt"], load_tokenizer(tiny_model), progress=False).save(tmp_path / "ours")
+    config = engine_config(tiny_model, {**spec, "draft_vocab": str(tmp_path / "ours")})
+    assert config.additional_config["specbeam"]["options"]["draft_vocab"] == str(tmp_path / "ours")
+    with pytest.raises(SpecbeamConfigError, match="'draft_vocab' is engine-wide and cannot be set per request"):
+        parse({"method": "mcsd", "model": tiny_draft}).with_overrides({"draft_vocab": "x"})
+
+
 def test_unknown_method_lists_vllm_and_plugin_methods(tiny_model):
     with pytest.raises(
         SpecbeamConfigError,

@@ -165,3 +165,61 @@ def test_bfloat16_draft_of_a_float32_target_is_greedy_exact(engines, tiny_model:
 
 def _draft_dtype(worker) -> str:
     return str(next(worker.model_runner.draft_runtime.model.parameters()).dtype)
+
+
+def _check_vocabulary(worker, draft: str, kept: list[int]) -> dict:
+    """Each logged row is finite exactly on the vocabulary and its request's own tokens, equal to transformers there."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    context: dict[str, list[int]] = {}
+    trees: dict[str, list[tuple[int, int]]] = {}
+    worst, rows_checked, own_columns = 0.0, 0, 0
+    for kind, req_id, tokens, parents, logits in worker.model_runner.draft_runtime.calls:
+        if kind == "sync":
+            context[req_id], trees[req_id] = tokens, []
+            if logits is None:
+                continue
+            sequences, rows = [tokens], logits[None]
+        else:
+            first = len(trees[req_id])
+            trees[req_id] += zip(tokens, parents)
+            sequences = [context[req_id] + tree_path(trees[req_id], first + i) for i in range(len(tokens))]
+            rows = logits
+        columns = sorted(set(kept) | set(context[req_id]))
+        own_columns = max(own_columns, len(columns) - len(kept))
+        with torch.inference_mode():
+            for sequence, row in zip(sequences, rows):
+                assert torch.isfinite(row).nonzero().flatten().tolist() == columns
+                reference = model(torch.tensor([sequence])).logits[0, -1]
+                worst = max(worst, float((row[columns] - reference[columns]).abs().max()))
+                rows_checked += 1
+    return {"worst": worst, "rows": rows_checked, "own_columns": own_columns}
+
+
+def test_draft_vocabulary_scores_its_tokens_and_each_requests_own(
+    engines, tiny_model: str, wide_draft: str, tmp_path: Path
+) -> None:
+    """``draft_vocab``: the draft's logits are the full head's on the vocabulary plus the request's
+    context tokens and ``-inf`` elsewhere; verification is unchanged, so greedy output stays exact."""
+    from vllm import SamplingParams
+
+    from vllm_specbeam.core.corpus import load_tokenizer
+    from vllm_specbeam.draft_runtime import vocab
+
+    (tmp_path / "corpus.txt").write_text(" ".join(f"w{i}" for i in range(40) for _ in range(40 - i)))
+    path = vocab.build([tmp_path / "corpus.txt"], load_tokenizer(tiny_model), size=30, progress=False).save(
+        tmp_path / "vocab"
+    )
+    kept = vocab.load(path).ids.tolist()  # w0..w29 and the 3 special tokens, of 103
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [make_prompts(10)[i] for i in (1, 4, 6)]
+    reference = [o.outputs[0].token_ids for o in engines.get(None).generate(prompts, greedy)]
+    spec = {"method": "mcsd", "model": wide_draft, "num_speculative_tokens": 4, "k_config": [2, 2], "max_nodes": 14}
+    llm = engines.get({**spec, "draft_vocab": str(path)})
+    llm.collective_rpc(_record)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
+    result = llm.collective_rpc(_check_vocabulary, args=(wide_draft, kept))[0]
+    assert result["rows"] > 30 and result["own_columns"] > 20  # the prompts hold many words past w29
+    assert result["worst"] < ATOL, result
+    engines.close()

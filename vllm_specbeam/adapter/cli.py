@@ -3,6 +3,10 @@
 ``vllm-specbeam trigram build --tokenizer T --out DIR FILES...`` builds the
 tri-gram matrix ``aded`` can start from (``trigram info DIR`` describes one).
 
+``vllm-specbeam draft-vocab build --tokenizer T --out DIR FILES...`` keeps the
+tokens a corpus uses most: the draft-model methods' ``"draft_vocab"``
+(:mod:`vllm_specbeam.draft_runtime.vocab`).
+
 ``vllm-specbeam mcsd train --target T --draft D --prompts FILE --out DIR``
 trains ``mcsd``'s stop model for one target/draft pair
 (:mod:`vllm_specbeam.adapter.mcsd_train`).
@@ -43,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     usage = (
         "usage: vllm-specbeam serve MODEL [vllm serve options...]\n"
         "       vllm-specbeam trigram {build,info} ...   (aded's tri-gram matrix; --help for options)\n"
+        "       vllm-specbeam draft-vocab build ...   (draft_vocab: the draft's tokens; --help for options)\n"
         "       vllm-specbeam mcsd train --target T --draft D --prompts FILE --out DIR   (mcsd's stop model)"
     )
     if not argv or argv[0] in ("-h", "--help"):
@@ -59,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_specbeam.methods.aded import trigram
 
         return trigram.main(rest)
+    if command == "draft-vocab":
+        from vllm_specbeam.draft_runtime import vocab
+
+        return vocab.main(rest)
     if command == "mcsd":
         if rest[:1] != ["train"]:
             print(f"unknown mcsd command {rest[:1]}; use: vllm-specbeam mcsd train --help", file=sys.stderr)

@@ -48,6 +48,7 @@ from vllm_specbeam.adapter.attention.step import tree_step
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig, SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT
+from vllm_specbeam.draft_runtime import vocab
 from vllm_specbeam.draft_runtime.hf import placement
 
 if TYPE_CHECKING:
@@ -125,6 +126,9 @@ class _Request:
     #: per tree node fed this round: its depth and the scratch slots it attends to (ancestors and itself)
     depths: list[int] = dataclasses.field(default_factory=list)
     visible: list[list[int]] = dataclasses.field(default_factory=list)
+    #: with a draft vocabulary: the request's context tokens outside it (sorted), and how many tokens were read
+    own_tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    tokens_read: int = 0
 
 
 @dataclasses.dataclass
@@ -139,6 +143,8 @@ class _Feed:
     #: tree nodes: the slots each row attends to besides the committed context; ``None``: causal rows
     visible: list[list[int]] | None = None
     context: int = 0
+    #: with a draft vocabulary: the request's own tokens its rows are scored on as well
+    own_tokens: np.ndarray | None = None
 
 
 class WorkerDraftRuntime:
@@ -182,6 +188,8 @@ class WorkerDraftRuntime:
         cpu_attention.check_cpu_attention_supported([layers[name].impl for name in self.layers])
         self.runner = runner
         self.vocab_size = target.get_vocab_size()
+        path = runner.tree_config.options["draft_vocab"]
+        self._head = _VocabularyHead(self.model, vocab.load(path).ids, self.vocab_size, path) if path else None
         self._group: AttentionGroup | None = None
         self._requests: dict[str, _Request] = {}
 
@@ -241,6 +249,10 @@ class WorkerDraftRuntime:
             request = self._request(req_id, index)
             start = min(request.valid, len(tokens) - 1)  # the last token's logits are the answer
             feeds.append(self._committed_feed(index, tokens, start))
+            if self._head is not None:
+                request.own_tokens = self._head.own_tokens(request.own_tokens, tokens[request.tokens_read :])
+                request.tokens_read = len(tokens)
+                feeds[-1].own_tokens = request.own_tokens
             request.valid = request.length = len(tokens)
             request.depths, request.visible = [], []
             admitted.append(k)
@@ -278,6 +290,7 @@ class WorkerDraftRuntime:
                     slots[-1] + 1,
                     None if causal and slots == list(range(slots[0], slots[-1] + 1)) else visible,
                     request.length,
+                    request.own_tokens,
                 )
             )
         return self._forward(feeds, last_only=False)
@@ -382,6 +395,8 @@ class WorkerDraftRuntime:
         if last_only:
             hidden = hidden[torch.from_numpy(starts[1:] - 1)]  # [R, hidden]
             counts = [1] * len(feeds)
+        if self._head is not None:
+            return list(self._head.logits(hidden, [f.own_tokens for f in feeds], counts).split(counts))
         return list(self._vocab_logits(self.model.compute_logits(hidden)).split(counts))
 
     @staticmethod
@@ -412,3 +427,73 @@ class WorkerDraftRuntime:
         logits = logits[:, : self.vocab_size].float()
         missing = self.vocab_size - logits.shape[-1]
         return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing else logits
+
+
+class _VocabularyHead:
+    """The draft's logits over a draft vocabulary and each request's own tokens, ``-inf`` elsewhere
+    (:mod:`vllm_specbeam.draft_runtime.vocab`).
+
+    The vocabulary's rows of the output layer are copied once, contiguous, so
+    one product reads only them; a request's context tokens outside the
+    vocabulary are scored from the layer's own rows, gathered per forward.
+    Example: vocabulary ``[0, 5, 9]``, a prompt holding token 7: that
+    request's rows get logits at ``[0, 5, 7, 9]`` and ``-inf`` at every other id.
+    """
+
+    def __init__(self, model: Any, ids: np.ndarray, vocab_size: int, path: str) -> None:
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        lm_head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
+        if processor is None or not isinstance(getattr(lm_head, "quant_method", None), UnquantizedEmbeddingMethod):
+            raise SpecbeamConfigError(
+                f"draft_vocab {path}: the draft model has no plain (unquantized) lm_head and logits processor "
+                "to take rows from; remove draft_vocab"
+            )
+        assert lm_head is not None
+        if lm_head.tp_size > 1:
+            raise SpecbeamConfigError(
+                "draft_vocab is not supported with tensor parallelism (each rank holds a slice of the draft's "
+                "output layer): remove draft_vocab or run with tensor_parallel_size=1"
+            )
+        if int(ids[-1]) >= vocab_size:
+            raise SpecbeamConfigError(
+                f"draft_vocab {path} holds token id {int(ids[-1])}, past the target's vocabulary ({vocab_size}); "
+                "rebuild it with the target's tokenizer"
+            )
+        self.weight = lm_head.weight  # [padded vocab, hidden]
+        self.bias = getattr(lm_head, "bias", None)
+        self.ids = torch.from_numpy(ids)  # [K]
+        self.kept = self.weight[self.ids].contiguous()  # [K, hidden]
+        self.kept_bias = None if self.bias is None else self.bias[self.ids].contiguous()  # [K]
+        self.processor = processor
+        self.vocab_size = vocab_size
+        self.in_vocabulary = np.zeros(vocab_size, dtype=bool)  # [V]
+        self.in_vocabulary[ids] = True
+
+    def own_tokens(self, known: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+        """``known`` with the tokens of ``tokens`` outside the vocabulary added (sorted, distinct)."""
+        new = np.unique(np.asarray(tokens, dtype=np.int64))
+        return np.union1d(known, new[~self.in_vocabulary[new]])
+
+    def logits(self, hidden: torch.Tensor, own: Sequence[np.ndarray | None], counts: Sequence[int]) -> torch.Tensor:
+        """Float32 logits ``[T, vocab]`` for ``hidden`` ``[T, hidden]``, whose rows go ``counts`` per request."""
+        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))  # [T, V]
+        out.index_copy_(1, self.ids, self._project(hidden, self.kept, self.kept_bias))
+        start = 0
+        for tokens, count in zip(own, counts):
+            if tokens is not None and tokens.size:
+                columns = torch.from_numpy(tokens)
+                bias = None if self.bias is None else self.bias[columns]
+                rows = self._project(hidden[start : start + count], self.weight[columns], bias)  # [count, own]
+                out[start : start + count].index_copy_(1, columns, rows)
+            start += count
+        return out
+
+    def _project(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The output layer on some of its rows, then vLLM's ``LogitsProcessor`` soft cap and scale."""
+        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
+        if self.processor.soft_cap is not None:
+            logits = torch.tanh(logits / self.processor.soft_cap) * self.processor.soft_cap
+        if self.processor.scale != 1.0:
+            logits = logits * self.processor.scale
+        return logits

@@ -56,6 +56,7 @@ def collect(args: argparse.Namespace) -> dict[str, np.ndarray]:
         "max_nodes": args.depth,
         "stop_threshold": 0.0,
         "collect": True,
+        **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
     }
     llm = LLM(
         model=args.target, speculative_config=spec, dtype=args.dtype, seed=args.seed, **json.loads(args.engine_args)
@@ -86,6 +87,9 @@ def main(argv: list[str]) -> int:
         "--from-data",
         default=None,
         help=f"train on the rows an earlier run saved (DIR/{DATA_FILE}) instead of collecting (no engine)",
+    )
+    parser.add_argument(
+        "--draft-vocab", default=None, help="the draft vocabulary the stop model will serve with (draft_vocab)"
     )
     parser.add_argument("--dtype", default="auto", help="the engine's dtype, as served")
     parser.add_argument("--seed", type=int, default=0)

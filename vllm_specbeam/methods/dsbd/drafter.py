@@ -95,6 +95,11 @@ class DsbdDrafter(DraftModelDrafter):
         path = self.options.get("draft_model", "")
         if not path:
             raise SpecbeamConfigError('dsbd needs a draft model: add "model" to the speculative config')
+        if self.options["draft_vocab"]:
+            raise SpecbeamConfigError(
+                "dsbd: draft_vocab applies to the draft inside vLLM's worker (vLLM's CPU backend); here the draft "
+                "runs in the Hugging Face runtime, which scores the whole vocabulary: remove draft_vocab"
+            )
         tokenizer = self.options.get("tokenizer") or None
         weight = next(target_model.parameters(), None) if hasattr(target_model, "parameters") else None
         device, dtype = placement(
