@@ -84,23 +84,24 @@ DSBD_CHAIN = "dsbd-chain"
 #: draft's confidence) and with none (``no-stop``: always the full depth),
 #: on one engine at depth ``MCSD_DEPTH``. ``[1]`` is the target-initialised
 #: shape (see methods/mcsd/drafter.py).
-MCSD_GRID = {"none": [[1]], "quick": [[2, 2], [2], [1]], "full": [[4, 2, 2], [2, 2], [2], [1]]}
+#: ``[2, 2]`` lost to ``[2]`` and ``[1]`` in every run on CPU (README, "mcsd"): ``full`` only.
+MCSD_GRID = {"none": [[1]], "quick": [[2], [1]], "full": [[4, 2, 2], [2, 2], [2], [1]]}
 MCSD_DEPTH = 6
 #: ``mcsd`` with the ``--stop-model`` (``vllm-specbeam mcsd train``), as its own row.
 MCSD_STOP = "mcsd+stop"
 
 #: ``mjsd``'s settings (per-request options on one engine sized for the
-#: largest): beams of the draft's search, MTAD's threshold 0.5 next to the
-#: default 0.9, the tree variant's verified beams (``full``).
+#: largest): beams of the draft's search, the arXiv version's threshold 0.9
+#: next to the default (MTAD's 0.5), the tree variant's verified beams (``full``).
 #: Depth 4, as the paper's γ; ``max_nodes`` fits the tree variant.
 MJSD_GRID = {
     "none": [{"beam_width": 4}],
-    "quick": [{"beam_width": 4}, {"beam_width": 4, "threshold": 0.5}],
+    "quick": [{"beam_width": 4}, {"beam_width": 4, "threshold": 0.9}],
     "full": [
         {"beam_width": 2},
         {"beam_width": 4},
         {"beam_width": 8},
-        {"beam_width": 4, "threshold": 0.5},
+        {"beam_width": 4, "threshold": 0.9},
         {"beam_width": 4, "num_beams_verified": 2},
     ],
 }

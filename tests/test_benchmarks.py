@@ -234,6 +234,7 @@ def plan_args(**kwargs) -> argparse.Namespace:
         "trigram_path": None,
         "stop_model": None,
         "stop_model_path": None,
+        "draft_vocab_path": None,
         "draft_dtype": "auto",
         "beam_widths": None,
     }
@@ -355,6 +356,23 @@ def test_plan_runs_mcsd_settings_on_one_engine_and_the_stop_model_apart():
     stop = {e.id: e for e in engines}["mcsd-stop"]
     assert stop.method == compare.MCSD_STOP and stop.speculative_config == {**config, "stop_model": "/s"}
     assert all("stop_threshold" not in s.extra_args for s in stop.settings)
+
+
+def test_plan_runs_every_draft_model_engine_again_with_the_draft_vocabulary():
+    args = dict(draft="d", draft_path="/d", methods=["none", "draft_model", "dsbd-chain", "mcsd", "mjsd"])
+    _, plain = compare.plan(plan_args(**args))
+    status, engines = compare.plan(plan_args(**args, draft_vocab_path="/v"))
+    by_id = {e.id: e for e in engines}
+    drafting = [e for e in plain if e.kind == "plugin"]
+    assert {e.method for e in drafting} == {"dsbd-chain", "mcsd", "mjsd"}
+    for engine in drafting:
+        twin = by_id[engine.id + "-vocab"]
+        assert twin.method == engine.method + compare.VOCAB_SUFFIX and status[twin.method].engines == [twin.id]
+        assert twin.speculative_config == {**engine.speculative_config, "draft_vocab": "/v"}
+        assert twin.settings == engine.settings
+    # vLLM's own methods and the baseline run once, without it
+    assert len(engines) == len(plain) + len(drafting)
+    assert all("draft_vocab" not in (e.speculative_config or {}) for e in plain)
 
 
 # ------------------------------------------------------------ end to end

@@ -10,6 +10,8 @@ acceptances and rejections, and every later draft must still be right
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -56,33 +58,52 @@ def _record(worker) -> None:
     runtime.sync_many, runtime.extend_many = sync, extend
 
 
+@dataclass
+class _LoggedCall:
+    """One logged draft call: its rows' logits and the plain sequences they must equal."""
+
+    kind: str  # "sync" (committed tokens) or "extend" (tree nodes)
+    context: list[int]  # the request's committed tokens
+    tokens: list[int]
+    parents: list[int]  # tree calls: each node's parent (within the request's tree this step)
+    first: int  # tree calls: index of the call's first node in that tree
+    sequences: list[list[int]]  # per row: the committed tokens and the row's path
+    rows: torch.Tensor  # [len(sequences), vocab]
+
+
+def _logged_calls(worker) -> Iterator[_LoggedCall]:
+    """The worker's logged draft calls (``_record``), each row paired with its plain sequence."""
+    context: dict[str, list[int]] = {}
+    trees: dict[str, list[tuple[int, int]]] = {}
+    for kind, req_id, tokens, parents, logits in worker.model_runner.draft_runtime.calls:
+        if kind == "sync":
+            context[req_id], trees[req_id] = tokens, []
+            if logits is not None:
+                yield _LoggedCall(kind, tokens, tokens, [], 0, [tokens], logits[None])
+            continue
+        first = len(trees[req_id])
+        trees[req_id] += zip(tokens, parents)
+        sequences = [context[req_id] + tree_path(trees[req_id], first + i) for i in range(len(tokens))]
+        yield _LoggedCall(kind, context[req_id], tokens, parents, first, sequences, logits)
+
+
 def _check(worker, draft: str) -> dict:
     """Each logged logit row against transformers on the same tokens as a plain sequence."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
-    context: dict[str, list[int]] = {}
-    trees: dict[str, list[tuple[int, int]]] = {}
     worst = {"sync": 0.0, "extend": 0.0}
     counts = {"sync": 0, "extend": 0, "branching_depths": 0, "chain_depths": 0}
-    for kind, req_id, tokens, parents, logits in worker.model_runner.draft_runtime.calls:
-        if kind == "sync":
-            context[req_id], trees[req_id] = tokens, []
-            if logits is None:
-                continue
-            sequences, rows = [tokens], logits[None]
-        else:
-            first = len(trees[req_id])
-            trees[req_id] += zip(tokens, parents)
-            sequences = [context[req_id] + tree_path(trees[req_id], first + i) for i in range(len(tokens))]
-            rows = logits
-            counts["branching_depths"] += len(set(parents)) < len(parents)
-            counts["chain_depths"] += len(tokens) == 1 and parents[0] == first - 1 >= 0  # causal rows, no mask
+    for call in _logged_calls(worker):
+        if call.kind == "extend":
+            counts["branching_depths"] += len(set(call.parents)) < len(call.parents)
+            # causal rows, no mask
+            counts["chain_depths"] += len(call.tokens) == 1 and call.parents[0] == call.first - 1 >= 0
         with torch.inference_mode():
-            for sequence, row in zip(sequences, rows):
+            for sequence, row in zip(call.sequences, call.rows):
                 reference = model(torch.tensor([sequence])).logits[0, -1]
-                worst[kind] = max(worst[kind], float((row - reference).abs().max()))
-                counts[kind] += 1
+                worst[call.kind] = max(worst[call.kind], float((row - reference).abs().max()))
+                counts[call.kind] += 1
     return {"worst": worst, "counts": counts, "stats": dict(worker.model_runner.tree_stats)}
 
 
@@ -172,24 +193,12 @@ def _check_vocabulary(worker, draft: str, kept: list[int]) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
-    context: dict[str, list[int]] = {}
-    trees: dict[str, list[tuple[int, int]]] = {}
     worst, rows_checked, own_columns = 0.0, 0, 0
-    for kind, req_id, tokens, parents, logits in worker.model_runner.draft_runtime.calls:
-        if kind == "sync":
-            context[req_id], trees[req_id] = tokens, []
-            if logits is None:
-                continue
-            sequences, rows = [tokens], logits[None]
-        else:
-            first = len(trees[req_id])
-            trees[req_id] += zip(tokens, parents)
-            sequences = [context[req_id] + tree_path(trees[req_id], first + i) for i in range(len(tokens))]
-            rows = logits
-        columns = sorted(set(kept) | set(context[req_id]))
+    for call in _logged_calls(worker):
+        columns = sorted(set(kept) | set(call.context))
         own_columns = max(own_columns, len(columns) - len(kept))
         with torch.inference_mode():
-            for sequence, row in zip(sequences, rows):
+            for sequence, row in zip(call.sequences, call.rows):
                 assert torch.isfinite(row).nonzero().flatten().tolist() == columns
                 reference = model(torch.tensor([sequence])).logits[0, -1]
                 worst = max(worst, float((row[columns] - reference[columns]).abs().max()))

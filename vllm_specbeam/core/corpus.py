@@ -10,6 +10,7 @@ built, so a file built for one vocabulary is refused by another.
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import gzip
 import hashlib
@@ -29,6 +30,22 @@ TEXT_SUFFIXES = (".txt", ".py", ".md", ".jsonl")
 DOC_CHARS = 1 << 16
 #: characters tokenised per batch
 BATCH_CHARS = 1 << 20
+
+
+def add_build_arguments(command: argparse.ArgumentParser, built: str) -> None:
+    """The arguments every corpus-counting ``build`` command takes: tokenizer, output, corpus files."""
+    command.add_argument("--tokenizer", required=True, help="the target model's tokenizer (directory or name)")
+    command.add_argument("--out", required=True, help=f"directory to write the {built} to")
+    command.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="skip files under a directory argument whose relative path matches (fnmatch; repeatable), "
+        "e.g. '*/tests/*'",
+    )
+    command.add_argument("--no-progress", action="store_true", help="no progress bar")
+    command.add_argument("files", nargs="+", help=f"files or directories ({', '.join(TEXT_SUFFIXES)}, also .gz)")
 
 
 def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from vllm_specbeam.core.corpus import (
     DEFAULT_JSONL_FIELDS,
     SourceStats,
+    add_build_arguments,
     corpus_files,
     load_tokenizer,
     token_documents,
@@ -153,14 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-specbeam draft-vocab", description="the draft model's vocabulary")
     commands = parser.add_subparsers(dest="command", required=True)
     build_cmd = commands.add_parser("build", help="keep the tokens a corpus uses most")
-    build_cmd.add_argument("--tokenizer", required=True, help="the target model's tokenizer (directory or name)")
-    build_cmd.add_argument("--out", required=True, help="directory to write the vocabulary to")
+    add_build_arguments(build_cmd, "vocabulary")
     build_cmd.add_argument("--size", type=int, default=DEFAULT_SIZE, help="tokens kept (special tokens added)")
-    build_cmd.add_argument(
-        "--exclude", action="append", default=[], metavar="GLOB", help="skip matching files under a directory"
-    )
-    build_cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
-    build_cmd.add_argument("files", nargs="+", help="files or directories (.txt, .py, .md, .jsonl, also .gz)")
     args = parser.parse_args(argv)
     try:
         vocabulary = build(

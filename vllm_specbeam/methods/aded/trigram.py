@@ -48,8 +48,8 @@ from tqdm import tqdm
 from vllm_specbeam.core.corpus import (
     BATCH_CHARS,
     DEFAULT_JSONL_FIELDS,
-    TEXT_SUFFIXES,
     SourceStats,
+    add_build_arguments,
     corpus_files,
     load_tokenizer,
     token_documents,
@@ -415,24 +415,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-specbeam trigram", description="ADED tri-gram matrices")
     commands = parser.add_subparsers(dest="command", required=True)
     build_cmd = commands.add_parser("build", help="count a corpus's tri-grams with the target's tokenizer")
-    build_cmd.add_argument("--tokenizer", required=True, help="the target model's tokenizer (directory or name)")
-    build_cmd.add_argument("--out", required=True, help="directory to write the matrix to")
+    add_build_arguments(build_cmd, "matrix")
     build_cmd.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="successors kept per (w1, w2) key")
     build_cmd.add_argument(
         "--jsonl-fields",
         default=",".join(DEFAULT_JSONL_FIELDS),
         help="jsonl: fields tried in order, the first holding a string is the document",
     )
-    build_cmd.add_argument(
-        "--exclude",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="skip files under a directory argument whose relative path matches "
-        "(fnmatch; repeatable), e.g. '*/tests/*'",
-    )
-    build_cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
-    build_cmd.add_argument("files", nargs="+", help=f"files or directories ({', '.join(TEXT_SUFFIXES)}, also .gz)")
     info_cmd = commands.add_parser("info", help="show a matrix's tokenizer, size and coverage")
     info_cmd.add_argument("path")
     args = parser.parse_args(argv)

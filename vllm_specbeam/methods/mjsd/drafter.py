@@ -49,7 +49,11 @@ class MjsdDrafter(DraftModelDrafter):
         **DRAFT_MODEL_OPTIONS,
         "beam_width": Option(4, "beams of the draft's beam search (at most the engine's per request)", 1, 32),
         "threshold": Option(
-            0.9, "tau: accept the longest drafted prefix with P(prefix) / Q(prefix) >= tau (joint mode)", 0.0, 1.0
+            0.5,
+            "tau: accept the longest drafted prefix with P(prefix) / Q(prefix) >= tau (joint mode; 0.5 as MTAD, "
+            "the ICLR 2025 version; the arXiv version's 0.9 stays close to greedy)",
+            0.0,
+            1.0,
         ),
         "num_beams_verified": Option(
             1, "best final beams verified together as one tree; the best passing one is kept", 1, 32

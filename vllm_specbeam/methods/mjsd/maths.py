@@ -43,7 +43,7 @@ class JointDraft(DraftTree):
     """
 
     joint_logq: np.ndarray | None = None
-    threshold: float = 0.9
+    threshold: float = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
