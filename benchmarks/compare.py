@@ -940,6 +940,8 @@ def assemble(
                     "method": engine.method,
                     "setting": setting.values,
                     "setting_label": setting.label,
+                    # set for beam searches only (mjsd's "beam_width" option is not one)
+                    "beam_width": setting.beam_width,
                     "batch_size": scenario["batch_size"],
                     "temperature": scenario["temperature"],
                     "engine": engine.id,

@@ -183,6 +183,7 @@ _RUN = {
         "method": {"type": "string"},
         "setting": {"type": "object"},
         "setting_label": {"type": "string"},
+        "beam_width": {"type": ["integer", "null"]},
         "batch_size": {"type": "integer", "minimum": 1},
         "temperature": {"type": "number", "minimum": 0},
         "engine": {"type": "string"},
@@ -390,11 +391,11 @@ def beam_table(runs: Sequence[Mapping[str, Any]]) -> str:
             else (1.0 if r["method"] == "beam_search" else None),
         }
         for r in runs
-        if r.get("setting", {}).get("beam_width")
+        if r.get("beam_width")
     ]
     if not rows:
         return ""
-    rows.sort(key=lambda r: (r["batch_size"], r["setting"]["beam_width"], r["method"] != "beam_search"))
+    rows.sort(key=lambda r: (r["batch_size"], r["beam_width"], r["method"] != "beam_search"))
     return "\nBeam search (greedy; widths side by side):\n\n" + markdown_table(rows, BEAM_COLUMNS)
 
 

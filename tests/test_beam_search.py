@@ -7,6 +7,7 @@ serve another request.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -152,6 +153,53 @@ def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos,
     assert max(batches) == len(prompts) and len(batches) < search.stats.rounds * (DEPTH + 1) + len(prompts)
 
 
+#: vLLM's default chunked prefill, with chunks of 64 tokens: every prompt but the shortest is split
+CHUNKED_ENGINE = {**ENGINE, "enable_chunked_prefill": True, "max_num_batched_tokens": 64, "max_num_seqs": 16}
+
+
+def test_speculative_beam_search_under_chunked_prefill_equals_vllm_beam_search(engines, near_draft, monkeypatch):
+    """The plugin's scheduler never ends a prefill chunk inside a tree, so the search is exact with
+    vLLM's chunked prefill on (prompts of 9-140 words, 64-token chunks); a tree that cannot fit
+    one chunk fails its request."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import BeamSearchParams
+
+    from vllm_specbeam.adapter import tree_prompt
+    from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
+
+    llm = engines.get(dsbd(near_draft), **CHUNKED_ENGINE)
+    assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
+    prompts = [make_prompts(7, seed=2)[i] for i in (1, 3, 4, 6)]
+    assert max(len(llm.get_tokenizer().encode(p)) for p in prompts) > 2 * 64
+    params = BeamSearchParams(beam_width=2, max_tokens=16, ignore_eos=True)
+    search = SpeculativeBeamSearch(llm)
+    assert_same_search(search.run(prompts, params), llm.beam_search(prompts, params))
+    assert search.stats.steps_per_round > 1
+    too_big = SamplingParams(**tree_prompt.request_params([-1] + list(range(64)), 2))
+    with pytest.raises(VLLMValidationError, match=r"66 rows\) in one prefill chunk"):
+        llm.generate([{"prompt_token_ids": list(range(3, 100))}], too_big, use_tqdm=False)
+
+
+def test_prefill_chunks_end_before_a_tree_or_after_it():
+    """Chunks of any size from the scheduler's budget: the chunk holding a tree's root also holds
+    its last row, and the prompt is still computed in full."""
+    from vllm_specbeam.adapter.tree_prompt import whole_tree_chunk
+
+    assert [whole_tree_chunk(10, 3, 0, 8), whole_tree_chunk(10, 3, 6, 4), whole_tree_chunk(10, 3, 6, 3)] == [6, 4, 0]
+    for prompt, nodes in [(10, 3), (40, 12), (7, 6), (33, 0)]:
+        root = prompt - nodes - 1
+        for budget in range(nodes + 1, prompt + 2):
+            start, chunks = 0, []
+            while start < prompt:
+                take = whole_tree_chunk(prompt, nodes, start, min(budget, prompt - start))
+                assert take > 0
+                chunks.append((start, start + take))
+                start += take
+            assert any(a <= root and b == prompt for a, b in chunks), (prompt, nodes, budget, chunks)
+            assert chunks[0][0] == 0 and all(b == c for (_, b), (c, _) in itertools.pairwise(chunks))
+
+
 def test_draft_equal_to_target_advances_the_whole_depth(engines, tiny_model):
     from vllm.sampling_params import BeamSearchParams
 
@@ -186,16 +234,16 @@ def test_server_path_speculates_only_where_it_is_exact():
     from vllm.sampling_params import BeamSearchParams
 
     from vllm_specbeam.adapter.beam_search_server import fallback_reason
-    from vllm_specbeam.adapter.engine_config import with_plugin_config
+    from vllm_specbeam.adapter.engine_config import SCHEDULER, with_plugin_config
     from vllm_specbeam.core.config import SpecbeamConfig
 
-    def client(method="dsbd", chunked=False, prefix=True):
+    def client(method="dsbd", chunked=False, prefix=True, scheduler=SCHEDULER):
         options = {"num_speculative_tokens": 4, "max_nodes": 16}
         extra = {} if method is None else with_plugin_config(None, SpecbeamConfig(method, options))
         return SimpleNamespace(
             vllm_config=SimpleNamespace(
                 additional_config=extra,
-                scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked),
+                scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked, scheduler_cls=scheduler),
                 cache_config=SimpleNamespace(enable_prefix_caching=prefix),
             )
         )
@@ -208,7 +256,11 @@ def test_server_path_speculates_only_where_it_is_exact():
     assert fallback_reason(client(), tokens, greedy) is None
     assert fallback_reason(client(None), tokens, greedy) == "no vllm-specbeam method"
     assert "dsbd method" in fallback_reason(client("aded"), tokens, greedy)
-    assert "chunked prefill" in fallback_reason(client(chunked=True), tokens, greedy)
+    assert fallback_reason(client(chunked=True), tokens, greedy) is None  # vLLM's default
+    assert "scheduler_cls=my.Scheduler" in fallback_reason(
+        client(chunked=True, scheduler="my.Scheduler"), tokens, greedy
+    )
+    assert fallback_reason(client(scheduler="my.Scheduler"), tokens, greedy) is None
     assert "prefix cach" in fallback_reason(client(prefix=False), tokens, greedy)
     assert "temperature" in fallback_reason(client(), tokens, sampled)
     assert "embeds" in fallback_reason(client(), {"type": "embeds"}, greedy)

@@ -175,6 +175,7 @@ def test_beam_table_lists_every_width_side_by_side():
             "method": method,
             "setting": {"beam_width": width},
             "setting_label": f"w{width}",
+            "beam_width": width,
             "batch_size": 1,
             "tokens_per_s": tps,
             "speedup_vs_beam_search": speedup,
@@ -184,7 +185,10 @@ def test_beam_table_lists_every_width_side_by_side():
             "exact_match": exact,
         }
 
+    # mjsd's beam_width option is no beam search: not in the table
+    mjsd = {**beam("mjsd", 4, 5.0), "beam_width": None, "setting_label": "b4"}
     runs = [
+        mjsd,
         beam(compare.SPEC_BEAM, 4, 3.0, 0.25, 1.5, 1.0),
         beam("beam_search", 4, 2.0, speedup=1.0),
         beam("beam_search", 2, 4.0, speedup=1.0),

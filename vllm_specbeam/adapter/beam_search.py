@@ -38,8 +38,7 @@ server's ``use_beam_search``.
 Use it on an engine started with the ``dsbd`` method (its ``model`` is the
 draft; ``num_speculative_tokens`` the draft depth)::
 
-    llm = LLM(target, speculative_config={"method": "dsbd", "model": draft},
-              enable_chunked_prefill=False, enable_prefix_caching=True)
+    llm = LLM(target, speculative_config={"method": "dsbd", "model": draft}, enable_prefix_caching=True)
     outputs = beam_search(llm, prompts, BeamSearchParams(beam_width=4, max_tokens=64))
 """
 
@@ -171,8 +170,9 @@ def engine_problem(vllm_config: Any) -> str | None:
             "speculative beam search needs an engine started with the dsbd method and a draft model: "
             'LLM(target, speculative_config={"method": "dsbd", "model": DRAFT})'
         )
-    if vllm_config.scheduler_config.enable_chunked_prefill:
-        return tree_prompt.CHUNKED_PREFILL
+    chunking = tree_prompt.chunking_problem(vllm_config.scheduler_config)
+    if chunking is not None:
+        return chunking
     if not vllm_config.cache_config.enable_prefix_caching:
         return (
             "speculative beam search shares the beams' prompt through vLLM's prefix cache: "

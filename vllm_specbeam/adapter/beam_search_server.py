@@ -5,7 +5,7 @@ vLLM 0.32.0 serves ``use_beam_search`` requests (``/v1/completions`` and
 (entrypoints/generate/beam_search/online.py): an async generator in the API
 server's process that sends every beam as a one-token request per step. The
 plugin puts :func:`beam_search` in its place (plugin.py, patch 6). On an
-engine started with ``dsbd`` (prefix caching on, chunked prefill off) a
+engine started with ``dsbd`` (prefix caching on) a
 deterministic request (``temperature`` 0) runs
 :class:`~vllm_specbeam.adapter.beam_search.SpeculativeBeamSearch` rounds instead,
 several tokens per target pass, and gets the response vLLM's own server gives,

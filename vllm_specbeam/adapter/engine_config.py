@@ -27,6 +27,8 @@ DRAFTER_HOST = "vllm_specbeam.adapter.runner.DrafterHost"
 #: The workers that build the tree runner (:mod:`vllm_specbeam.adapter.worker`), by platform.
 CPU_WORKER = "vllm_specbeam.adapter.worker.TreeCPUWorker"
 GPU_WORKER = "vllm_specbeam.adapter.worker.TreeGPUWorker"
+#: The scheduler of plugin engines (:mod:`vllm_specbeam.adapter.scheduler`): no prefill chunk ends inside a tree.
+SCHEDULER = "vllm_specbeam.adapter.scheduler.TreePromptScheduler"
 
 V2_RUNNER_PROBLEM = (
     "vllm-specbeam's tree runner extends vLLM's V1 model runner, but this engine would run the V2 model "
@@ -65,8 +67,9 @@ def is_carrier(speculative_config: SpeculativeConfig) -> bool:
 
 
 def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig) -> None:
-    """Make the engine run a plugin method: the tree runner's worker, and on
-    CUDA the tree attention backend outside CUDA graphs.
+    """Make the engine run a plugin method: the tree runner's worker, the
+    plugin's scheduler (unless another was set), and on CUDA the tree
+    attention backend outside CUDA graphs.
 
     Called for plugin methods only, from the speculative-config patch, which
     vLLM 0.32.0 engine/arg_utils.py ``EngineArgs.create_engine_config`` runs
@@ -98,6 +101,9 @@ def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig) -
             f"(worker_extension_cls adds methods to any worker, this one included)"
         )
     parallel_config.worker_cls = worker
+    if engine_args.scheduler_cls is None:
+        # read after this patch, into SchedulerConfig (vLLM 0.32.0 EngineArgs.create_engine_config)
+        engine_args.scheduler_cls = SCHEDULER
     if current_platform.is_cuda():
         from vllm_specbeam.adapter.attention.cuda import register_tree_backend
 

@@ -152,6 +152,10 @@ SAMPLE_TOKENS = Target("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_to
 VALIDATE_SPEC_DECODE_PARAMS = Target("vllm.sampling_params:SamplingParams._validate_spec_decode")
 RUNNER_LOGITSPROCS = Target("vllm.v1.worker.gpu_model_runner:build_logitsprocs")
 BUILTIN_LOGITSPROCS = Target("vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS", "attribute")
+#: 10. the scheduler of plugin engines (adapter/scheduler.py): prefill chunks end outside tree prompts' trees
+SCHEDULER = Target(
+    "vllm.v1.core.sched.scheduler:Scheduler", "class", subclass="vllm_specbeam.adapter.scheduler:TreePromptScheduler"
+)
 
 TARGETS = (
     CREATE_SPECULATIVE_CONFIG,
@@ -173,6 +177,7 @@ TARGETS = (
     VALIDATE_SPEC_DECODE_PARAMS,
     RUNNER_LOGITSPROCS,
     BUILTIN_LOGITSPROCS,
+    SCHEDULER,
 )
 
 

@@ -66,6 +66,13 @@ the problems are logged, and requesting a plugin method fails with them.
    (:func:`vllm_specbeam.adapter.runner.builtin_logitsprocs`; custom logits
    processors stay refused). Admission in the API server's process, the
    runner in the worker's.
+10. The scheduler: for a plugin method, patch 1 sets
+   ``SchedulerConfig.scheduler_cls`` (vLLM's extension point, unless the user
+   set one) to the plugin's subclass of ``Scheduler``
+   (vllm/v1/core/sched/scheduler.py, :mod:`vllm_specbeam.adapter.scheduler`):
+   under chunked prefill it cuts a prefill chunk that would end inside a
+   tree prompt's tree, through the per-chunk hook vLLM calls for Mamba
+   alignment. In the engine-core process.
 
 Patches 2, 5, 6, 7 and 9 fall through to vLLM when no plugin method is configured.
 """
@@ -195,7 +202,7 @@ def _validate_params(stock: Callable[..., Any]) -> Callable[..., Any]:
         if config is not None and extra:
             try:
                 config.with_overrides(extra)
-                tree_prompt.check_params(params, self.vllm_config.scheduler_config.enable_chunked_prefill)
+                tree_prompt.check_params(params, self.vllm_config.scheduler_config)
             except (SpecbeamConfigError, tree_prompt.TreePromptError) as error:
                 from vllm.exceptions import VLLMValidationError
 

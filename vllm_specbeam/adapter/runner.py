@@ -495,8 +495,10 @@ class TreeRunnerMixin:
     def _prompt_trees_in_step(self, num_scheduled_tokens: np.ndarray) -> list[StepTree]:
         """The tree-prompt requests whose tree rows are computed this step.
 
-        The whole prompt is scheduled in one step: tree-prompt requests are
-        admitted only when chunked prefill is off (plugin.py checks).
+        A tree's root and rows are computed in one step: without chunked
+        prefill the whole prompt is, with it the plugin's scheduler ends no
+        chunk inside a tree (adapter/scheduler.py; tree_prompt.check_params
+        refuses a tree too large for one step).
         """
         trees = []
         for req_id, tree in self._prompt_trees.items():

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_specbeam.adapter.engine_config import SCHEDULER
 from vllm_specbeam.core.tree import DraftTree
 
 #: ``SamplingParams.extra_args`` key holding the parents of the tree that ends the prompt
@@ -43,8 +44,9 @@ TREE_PARENTS_KEY = "specbeam_tree_parents"
 
 
 CHUNKED_PREFILL = (
-    "tree prompts (speculative beam search) need an engine without chunked prefill: "
-    "start it with enable_chunked_prefill=False (--no-enable-chunked-prefill)"
+    "tree prompts (speculative beam search) under chunked prefill need the plugin's scheduler, "
+    "which keeps a tree's rows in one prefill chunk, but scheduler_cls={cls} was set: remove "
+    "--scheduler-cls / scheduler_cls, or start the engine with enable_chunked_prefill=False"
 )
 
 
@@ -59,13 +61,23 @@ def tree_parents(extra_args: Mapping[str, Any] | None) -> list[int] | None:
     return extra_args[TREE_PARENTS_KEY]
 
 
-def check_params(params: Any, chunked_prefill: bool) -> None:
+def chunking_problem(scheduler_config: Any) -> str | None:
+    """Why this engine's prefill chunks may split a tree, or ``None``."""
+    if scheduler_config.enable_chunked_prefill and scheduler_config.scheduler_cls != SCHEDULER:
+        return CHUNKED_PREFILL.format(cls=scheduler_config.scheduler_cls)
+    return None
+
+
+def check_params(params: Any, scheduler_config: Any) -> None:
     """Admission check of a tree-prompt request (fails that request only).
 
     The runner scores a tree only when its root and all its rows are computed
-    in one step, which only an engine without chunked prefill guarantees. The
-    tree's length against the prompt's is the runner's to check: a tree that
-    does not fit below at least one prompt token is ignored there.
+    in one step. Without chunked prefill every prompt is; with it, the
+    plugin's scheduler (:class:`~vllm_specbeam.adapter.scheduler.TreePromptScheduler`)
+    ends no prefill chunk inside a tree, so the tree's rows must fit one
+    step's tokens. The tree's length against the prompt's is the runner's to
+    check: a tree that does not fit below at least one prompt token is
+    ignored there.
     """
     parents = tree_parents(getattr(params, "extra_args", None))
     if parents is None:
@@ -76,13 +88,40 @@ def check_params(params: Any, chunked_prefill: bool) -> None:
         DraftTree(np.zeros(len(parents), np.int64), np.asarray(parents, np.int64))
     except ValueError as error:
         raise TreePromptError(f"extra_args[{TREE_PARENTS_KEY!r}]: {error}") from error
-    if parents and chunked_prefill:
-        raise TreePromptError(CHUNKED_PREFILL)
+    if parents and scheduler_config.enable_chunked_prefill:
+        problem = chunking_problem(scheduler_config)
+        if problem is not None:
+            raise TreePromptError(problem)
+        limit = scheduler_config.max_num_batched_tokens
+        if scheduler_config.long_prefill_token_threshold > 0:
+            limit = min(limit, scheduler_config.long_prefill_token_threshold)
+        if len(parents) + 1 > limit:
+            raise TreePromptError(
+                f"a tree of {len(parents)} nodes needs its root and nodes ({len(parents) + 1} rows) in one "
+                f"prefill chunk, but this engine computes at most {limit} prompt tokens a step "
+                "(max_num_batched_tokens, long_prefill_token_threshold): draft fewer nodes or raise "
+                "--max-num-batched-tokens"
+            )
     if parents and (params.prompt_logprobs is None or params.skip_reading_prefix_cache is not False):
         raise TreePromptError(
             "a tree-prompt request needs prompt_logprobs (the tree rows' scores) and "
             "skip_reading_prefix_cache=False (beams share their prefix through the cache)"
         )
+
+
+def whole_tree_chunk(num_prompt_tokens: int, num_nodes: int, start: int, num_new_tokens: int) -> int:
+    """A prefill chunk's token count from ``start``, cut so that the chunk does not end inside
+    the tree at the end of the prompt (the rows from its root on).
+
+    Example: a 10-token prompt ending in a 3-node tree has its root at index 6
+    (rows 6-9). From 0 with room for 8 tokens the chunk stops before the root
+    (6 tokens); from 6 it takes rows 6-9 when there is room for 4, and waits (0)
+    with room for 3. A chunk that starts past the root is left alone.
+    """
+    root = num_prompt_tokens - num_nodes - 1
+    if start <= root < start + num_new_tokens < num_prompt_tokens:
+        return root - start
+    return num_new_tokens
 
 
 def prompt_tree(params: Any, prompt_token_ids: Sequence[int]) -> DraftTree | None:

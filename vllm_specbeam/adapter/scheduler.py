@@ -1,0 +1,51 @@
+"""The plugin's scheduler: vLLM 0.32's, with prefill chunks that never end inside a tree prompt's tree.
+
+A tree-prompt request (:mod:`vllm_specbeam.adapter.tree_prompt`) is scored
+only when its tree's root row and every tree row are computed in one step.
+Under chunked prefill vLLM may end a chunk anywhere in the prompt; this
+scheduler cuts a chunk that would end inside a tree back to the row before
+the root, so the next chunk holds the whole tree (or waits for a step with
+room for it). The prefix before the root may be split anywhere: it is causal.
+
+vLLM 0.32.0 v1/core/sched/scheduler.py calls ``_mamba_block_aligned_split``
+on every prefill chunk it sizes, running and waiting requests alike, when
+``need_mamba_block_aligned_split`` is set (the only per-request hook on a
+chunk's size): this subclass sets it under chunked prefill and keeps vLLM's
+own Mamba alignment where the model needs it. Plugin engines name it in
+``SchedulerConfig.scheduler_cls`` (:func:`vllm_specbeam.adapter.engine_config.configure_engine`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typing_extensions import override
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_specbeam.adapter import tree_prompt
+
+
+class TreePromptScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._align_mamba = self.need_mamba_block_aligned_split
+        self.need_mamba_block_aligned_split = self._align_mamba or self.scheduler_config.enable_chunked_prefill
+
+    @override
+    def _mamba_block_aligned_split(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        if self._align_mamba:
+            num_new_tokens = super()._mamba_block_aligned_split(
+                request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
+            )
+        params = request.sampling_params
+        parents = tree_prompt.tree_parents(params.extra_args if params is not None else None)
+        if not parents:
+            return num_new_tokens
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        return tree_prompt.whole_tree_chunk(request.num_prompt_tokens, len(parents), start, num_new_tokens)
