@@ -157,7 +157,7 @@ def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos,
 CHUNKED_ENGINE = {**ENGINE, "enable_chunked_prefill": True, "max_num_batched_tokens": 64, "max_num_seqs": 16}
 
 
-def test_speculative_beam_search_under_chunked_prefill_equals_vllm_beam_search(engines, near_draft, monkeypatch):
+def test_speculative_beam_search_under_chunked_prefill_equals_vllm_beam_search(engines, near_draft):
     """The plugin's scheduler never ends a prefill chunk inside a tree, so the search is exact with
     vLLM's chunked prefill on (prompts of 9-140 words, 64-token chunks); a tree that cannot fit
     one chunk fails its request."""

@@ -43,9 +43,11 @@ class TreePromptScheduler(Scheduler):
             num_new_tokens = super()._mamba_block_aligned_split(
                 request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
             )
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         params = request.sampling_params
-        parents = tree_prompt.tree_parents(params.extra_args if params is not None else None)
+        if start >= request.num_prompt_tokens or params is None:  # decoding (vLLM calls this every step)
+            return num_new_tokens
+        parents = tree_prompt.tree_parents(params.extra_args)
         if not parents:
             return num_new_tokens
-        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         return tree_prompt.whole_tree_chunk(request.num_prompt_tokens, len(parents), start, num_new_tokens)

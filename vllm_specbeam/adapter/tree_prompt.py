@@ -88,10 +88,10 @@ def check_params(params: Any, scheduler_config: Any) -> None:
         DraftTree(np.zeros(len(parents), np.int64), np.asarray(parents, np.int64))
     except ValueError as error:
         raise TreePromptError(f"extra_args[{TREE_PARENTS_KEY!r}]: {error}") from error
+    problem = chunking_problem(scheduler_config)
+    if parents and problem is not None:
+        raise TreePromptError(problem)
     if parents and scheduler_config.enable_chunked_prefill:
-        problem = chunking_problem(scheduler_config)
-        if problem is not None:
-            raise TreePromptError(problem)
         limit = scheduler_config.max_num_batched_tokens
         if scheduler_config.long_prefill_token_threshold > 0:
             limit = min(limit, scheduler_config.long_prefill_token_threshold)
