@@ -21,8 +21,17 @@ Verified design: docs/draft-runtime.md. In short (vLLM 0.32.0):
   (:class:`~vllm_specbeam.adapter.attention.cpu.TreeStep`). The scheduler
   reserves those slots: :func:`lookahead` raises
   ``VllmConfig.num_lookahead_tokens`` for plugin draft-model methods.
-- **Rollback** is free: a sync feeds the committed tokens from the first slot
-  whose draft K/V is not known valid, overwriting the previous round's scratch.
+- **Accepted nodes keep their K/V; rollback is free.** A sync first walks
+  last round's tree along the tokens committed since: those nodes' K/V are
+  right for the committed tokens (same tokens, same RoPE positions, attention
+  over the context and their ancestors only), so they are kept, moved to
+  their committed slots where they are not there already (the ``i``-th token
+  committed after the root belongs in slot ``root + 1 + i``). Then it feeds
+  the rest (the target's own token) from the first slot whose draft K/V is not
+  valid, overwriting the other nodes' scratch. Example: root at slot 9, nodes
+  ``[a, b, c]`` in slots ``[10, 11, 12]``, parents ``[-1, -1, 1]``; the target
+  commits ``b c x``: ``b``, ``c`` move from slots 11, 12 to 10, 11 and only
+  ``x`` is fed (slot 12). A chain's accepted nodes never move.
 - **Prefix caching.** A cached block carries the draft's K/V too, so the
   draft must have fed every token the target computes, every step, for every
   scheduled request (drafting or not): :meth:`WorkerDraftRuntime.sync_step`
@@ -38,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -123,12 +132,36 @@ class _Request:
     valid: int
     #: committed tokens at the last sync (the tree's root is token ``length - 1``)
     length: int = 0
-    #: per tree node fed this round: its depth and the scratch slots it attends to (ancestors and itself)
+    #: per tree node fed this round: its token, parent, depth and the scratch slots it attends to
+    #: (ancestors and itself; its own slot is ``length + i`` for the ``i``-th node fed)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    parents: list[int] = dataclasses.field(default_factory=list)
     depths: list[int] = dataclasses.field(default_factory=list)
     visible: list[list[int]] = dataclasses.field(default_factory=list)
+
     #: with a draft vocabulary: the request's context tokens outside it (sorted), and how many tokens were read
     own_tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     tokens_read: int = 0
+
+    def new_round(self, length: int) -> None:
+        """Committed tokens ``[0, length)`` are the draft's; no tree node is fed yet."""
+        self.valid = self.length = length
+        self.tokens, self.parents, self.depths, self.visible = [], [], [], []
+
+    def accepted_nodes(self, committed: Sequence[int]) -> list[int]:
+        """The nodes fed this round that ``committed`` (the tokens after the root) walks, root first."""
+        path: list[int] = []
+        for token in committed:
+            parent = path[-1] if path else ROOT
+            start = parent + 1  # children come after their parent
+            child = next(
+                (i for i in range(start, len(self.tokens)) if self.parents[i] == parent and self.tokens[i] == token),
+                None,
+            )
+            if child is None:
+                break
+            path.append(child)
+        return path
 
 
 @dataclasses.dataclass
@@ -186,6 +219,8 @@ class WorkerDraftRuntime:
                 f"forward context; the in-worker draft needs a decoder with vLLM's Attention layers"
             )
         cpu_attention.check_cpu_attention_supported([layers[name].impl for name in self.layers])
+        self._attention = {name: layers[name] for name in self.layers}
+        self._kv_layers: list[tuple[torch.nn.Module, torch.Tensor]] = []
         self.runner = runner
         self.vocab_size = target.get_vocab_size()
         path = runner.tree_config.options["draft_vocab"]
@@ -208,6 +243,12 @@ class WorkerDraftRuntime:
                 f"the target's block size"
             )
         self._group = groups[0]
+        by_cache: dict[int, torch.nn.Module] = {}
+        for layer in self._attention.values():
+            if isinstance(layer.kv_cache, torch.Tensor):
+                by_cache.setdefault(layer.kv_cache.data_ptr(), layer)
+        #: (layer, its KV cache) once per distinct cache tensor, for moving accepted nodes' K/V
+        self._kv_layers = [(layer, cast(torch.Tensor, layer.kv_cache)) for layer in by_cache.values()]
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -247,14 +288,14 @@ class WorkerDraftRuntime:
             if len(tokens) + reserve > self._capacity(index):
                 continue  # no slots for the tree: undrafted (sync_step still feeds its tokens)
             request = self._request(req_id, index)
+            self._keep_accepted(request, index, tokens)
             start = min(request.valid, len(tokens) - 1)  # the last token's logits are the answer
             feeds.append(self._committed_feed(index, tokens, start))
             if self._head is not None:
                 request.own_tokens = self._head.own_tokens(request.own_tokens, tokens[request.tokens_read :])
                 request.tokens_read = len(tokens)
                 feeds[-1].own_tokens = request.own_tokens
-            request.valid = request.length = len(tokens)
-            request.depths, request.visible = [], []
+            request.new_round(len(tokens))
             admitted.append(k)
         for k, logits in zip(admitted, self._forward(feeds, last_only=True)):
             results[k] = logits[0]
@@ -272,6 +313,8 @@ class WorkerDraftRuntime:
                 if not ROOT <= parent < first + i:
                     raise ValueError(f"tree node {first + i} has parent {parent}: not an earlier node")
                 slot = request.length + len(request.depths)  # scratch: root + 1 + node index
+                request.tokens.append(int(tokens[i]))
+                request.parents.append(parent)
                 request.depths.append(1 if parent == ROOT else request.depths[parent] + 1)
                 request.visible.append(([] if parent == ROOT else request.visible[parent]) + [slot])
                 slots.append(slot)
@@ -312,9 +355,11 @@ class WorkerDraftRuntime:
         for index, req_id in enumerate(batch.req_ids):
             end = min(int(batch.num_tokens_no_spec[index]), self._capacity(index))
             request = self._request(req_id, index)
+            tokens = batch.token_ids_cpu[index, :end].tolist()
+            self._keep_accepted(request, index, tokens)
             if request.valid < end:
-                feeds.append(self._committed_feed(index, batch.token_ids_cpu[index, :end].tolist(), request.valid))
-                request.valid = end
+                feeds.append(self._committed_feed(index, tokens, request.valid))
+                request.new_round(end)
         if feeds:
             self._forward(feeds, last_only=None)
 
@@ -326,6 +371,32 @@ class WorkerDraftRuntime:
             computed = int(self.runner.input_batch.num_computed_tokens_cpu[index])
             request = self._requests[req_id] = _Request(valid=computed)
         return request
+
+    def _keep_accepted(self, request: _Request, index: int, tokens: Sequence[int]) -> None:
+        """Make the K/V of last round's nodes that ``tokens`` committed the draft's K/V of those
+        tokens (the module docstring's example); ``request.valid`` then counts them."""
+        if len(tokens) <= request.length or request.valid != request.length or not request.tokens:
+            return  # nothing committed since the round, or no tree fed
+        path = request.accepted_nodes(tokens[request.length :])
+        moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
+        if moved:
+            src, dst = (
+                self._slots(index, [request.length + i for i in nodes]) for nodes in zip(*moved)
+            )  # [moves] each
+            cpu_attention.move_kv(self._kv_layers, src, dst)
+        counts = self.runner.tree_counts
+        counts.draft_kv_kept += len(path)
+        counts.draft_kv_moves += len(moved)
+        request.new_round(request.length)
+        request.valid += len(path)
+
+    def _slots(self, index: int, positions: Sequence[int]) -> torch.Tensor:
+        """The KV-cache slots of ``positions`` in the request's blocks (batch row ``index``)."""
+        table = self.runner.input_batch.block_table[0]
+        positions_t = torch.tensor(positions, dtype=torch.int64)  # [n]
+        return table.block_table.cpu[index, positions_t // table.block_size].to(torch.int64) * table.block_size + (
+            positions_t % table.block_size
+        )  # [n]
 
     def _capacity(self, index: int) -> int:
         """Slots the request's blocks hold now (the scheduler's reservation), at most ``max_model_len``."""
@@ -350,18 +421,10 @@ class WorkerDraftRuntime:
         if self._group is None:
             raise RuntimeError("WorkerDraftRuntime.bind must run after the runner's initialize_kv_cache")
         self.runner.tree_counts.draft_forwards += 1
-        table = self.runner.input_batch.block_table[0]
-        block_size = table.block_size
-        rows = table.block_table.cpu[[f.batch_index for f in feeds]]  # [R, max blocks]
+        rows = self.runner.input_batch.block_table[0].block_table.cpu[[f.batch_index for f in feeds]]  # [R, blocks]
         counts = [len(f.tokens) for f in feeds]
         starts = np.concatenate([[0], np.cumsum(counts)])  # [R + 1]
-        slot_positions = [torch.tensor(f.slots, dtype=torch.int64) for f in feeds]
-        slots = torch.cat(
-            [
-                rows[r, s // block_size].to(torch.int64) * block_size + s % block_size
-                for r, s in enumerate(slot_positions)
-            ]
-        )  # [T]
+        slots = torch.cat([self._slots(f.batch_index, f.slots) for f in feeds])  # [T]
         query_start = torch.from_numpy(starts.astype(np.int32))
         seq_lens = torch.tensor([f.seq_len for f in feeds], dtype=torch.int32)  # [R]
         common = CommonAttentionMetadata(

@@ -218,6 +218,10 @@ class TreeCounts:
     draft_seconds: float = 0.0
     #: forwards of an in-worker draft model (drafting and catching up on committed tokens)
     draft_forwards: int = 0
+    #: committed tokens whose draft K/V an in-worker draft kept from its tree (not fed again),
+    #: and how many of those it moved to their committed slot (accepted nodes off the first branch)
+    draft_kv_kept: int = 0
+    draft_kv_moves: int = 0
     preempted: int = 0
     #: sampled single-chain drafts verified as a block
     block_verified: int = 0
