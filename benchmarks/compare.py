@@ -87,7 +87,8 @@ DSBD_CHAIN = "dsbd-chain"
 #: ``[2, 2]`` lost to ``[2]`` and ``[1]`` in every run on CPU (README, "mcsd"): ``full`` only.
 MCSD_GRID = {"none": [[1]], "quick": [[2], [1]], "full": [[4, 2, 2], [2, 2], [2], [1]]}
 MCSD_DEPTH = 6
-#: ``mcsd`` with the ``--stop-model`` (``vllm-specbeam mcsd train``), as its own row.
+#: ``mcsd`` with the ``--stop-model`` (``vllm-specbeam mcsd train``), as its own row, with the
+#: same settings (its ``no-stop`` ones: the stop model's ablation, on its engine).
 MCSD_STOP = "mcsd+stop"
 
 #: ``mjsd``'s settings (per-request options on one engine sized for the
@@ -287,9 +288,9 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             engines.append(EngineSpec(name, name, "plugin", config, settings))
         if name == "mcsd" and args.stop_model:
             status[MCSD_STOP] = MethodStatus("plugin")
-            stop_settings = [s for s in settings if "stop_threshold" not in (s.extra_args or {})]
+            # Its no-stop settings are the stop model's ablation on the same engine.
             stop_config = {**config, "stop_model": args.stop_model_path}
-            engines.append(EngineSpec("mcsd-stop", MCSD_STOP, "plugin", stop_config, stop_settings))
+            engines.append(EngineSpec("mcsd-stop", MCSD_STOP, "plugin", stop_config, settings))
         if name in BEAM_METHODS:
             available_beam.append(name)
         if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted):

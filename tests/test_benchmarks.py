@@ -359,7 +359,8 @@ def test_plan_runs_mcsd_settings_on_one_engine_and_the_stop_model_apart():
     )
     stop = {e.id: e for e in engines}["mcsd-stop"]
     assert stop.method == compare.MCSD_STOP and stop.speculative_config == {**config, "stop_model": "/s"}
-    assert all("stop_threshold" not in s.extra_args for s in stop.settings)
+    # the ablation on the stop model's own engine: each k_config with it and with no stopping at all
+    assert [s.label for s in stop.settings] == [s.label for s in {e.id: e for e in engines}["mcsd"].settings]
 
 
 def test_plan_runs_every_draft_model_engine_again_with_the_draft_vocabulary():
