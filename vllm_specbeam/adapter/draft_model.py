@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from vllm_specbeam.adapter.attention import cpu as cpu_attention
-from vllm_specbeam.adapter.attention.step import tree_step
+from vllm_specbeam.adapter.attention.step import distinct_kv_caches, tree_step
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig, SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT
@@ -219,7 +219,8 @@ class WorkerDraftRuntime:
                 f"forward context; the in-worker draft needs a decoder with vLLM's Attention layers"
             )
         cpu_attention.check_cpu_attention_supported([layers[name].impl for name in self.layers])
-        self._attention = {name: layers[name] for name in self.layers}
+        self._attention = [layers[name] for name in self.layers]
+        #: (layer, its KV cache) once per cache tensor, for moving accepted nodes' K/V (set by bind)
         self._kv_layers: list[tuple[torch.nn.Module, torch.Tensor]] = []
         self.runner = runner
         self.vocab_size = target.get_vocab_size()
@@ -243,12 +244,7 @@ class WorkerDraftRuntime:
                 f"the target's block size"
             )
         self._group = groups[0]
-        by_cache: dict[int, torch.nn.Module] = {}
-        for layer in self._attention.values():
-            if isinstance(layer.kv_cache, torch.Tensor):
-                by_cache.setdefault(layer.kv_cache.data_ptr(), layer)
-        #: (layer, its KV cache) once per distinct cache tensor, for moving accepted nodes' K/V
-        self._kv_layers = [(layer, cast(torch.Tensor, layer.kv_cache)) for layer in by_cache.values()]
+        self._kv_layers = distinct_kv_caches(self._attention)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -288,7 +284,7 @@ class WorkerDraftRuntime:
             if len(tokens) + reserve > self._capacity(index):
                 continue  # no slots for the tree: undrafted (sync_step still feeds its tokens)
             request = self._request(req_id, index)
-            self._keep_accepted(request, index, tokens)
+            self._keep_accepted(request, index, tokens[request.length :])
             start = min(request.valid, len(tokens) - 1)  # the last token's logits are the answer
             feeds.append(self._committed_feed(index, tokens, start))
             if self._head is not None:
@@ -355,10 +351,10 @@ class WorkerDraftRuntime:
         for index, req_id in enumerate(batch.req_ids):
             end = min(int(batch.num_tokens_no_spec[index]), self._capacity(index))
             request = self._request(req_id, index)
-            tokens = batch.token_ids_cpu[index, :end].tolist()
-            self._keep_accepted(request, index, tokens)
+            if request.valid < end:  # most steps: sync_many already fed it (no copy of the context then)
+                self._keep_accepted(request, index, batch.token_ids_cpu[index, request.length : end])
             if request.valid < end:
-                feeds.append(self._committed_feed(index, tokens, request.valid))
+                feeds.append(self._committed_feed(index, batch.token_ids_cpu[index, :end].tolist(), request.valid))
                 request.new_round(end)
         if feeds:
             self._forward(feeds, last_only=None)
@@ -372,17 +368,16 @@ class WorkerDraftRuntime:
             request = self._requests[req_id] = _Request(valid=computed)
         return request
 
-    def _keep_accepted(self, request: _Request, index: int, tokens: Sequence[int]) -> None:
-        """Make the K/V of last round's nodes that ``tokens`` committed the draft's K/V of those
-        tokens (the module docstring's example); ``request.valid`` then counts them."""
-        if len(tokens) <= request.length or request.valid != request.length or not request.tokens:
+    def _keep_accepted(self, request: _Request, index: int, committed: Sequence[int]) -> None:
+        """Make the K/V of last round's nodes that ``committed`` (the tokens after the root) walks
+        the draft's K/V of those tokens (the module docstring's example); ``request.valid`` then counts them."""
+        if not len(committed) or not request.tokens or request.valid != request.length:
             return  # nothing committed since the round, or no tree fed
-        path = request.accepted_nodes(tokens[request.length :])
+        path = request.accepted_nodes(committed)
         moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
         if moved:
-            src, dst = (
-                self._slots(index, [request.length + i for i in nodes]) for nodes in zip(*moved)
-            )  # [moves] each
+            src = self._slots(index, [request.length + node for node, _ in moved])  # [moves]
+            dst = self._slots(index, [request.length + depth for _, depth in moved])  # [moves]
             cpu_attention.move_kv(self._kv_layers, src, dst)
         counts = self.runner.tree_counts
         counts.draft_kv_kept += len(path)

@@ -43,7 +43,7 @@ from typing_extensions import override
 
 from vllm_specbeam.adapter import patches, tree_prompt
 from vllm_specbeam.adapter.attention import cpu as cpu_attention
-from vllm_specbeam.adapter.attention.step import tree_step
+from vllm_specbeam.adapter.attention.step import distinct_kv_caches, tree_step
 from vllm_specbeam.adapter.draft_model import WorkerDraftRuntime, uses_worker_draft
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.budget import StepBudget, StepCost
@@ -317,19 +317,11 @@ class TreeRunnerMixin:
         return get_layers_from_vllm_config(self.vllm_config, Attention)
 
     @functools.cached_property
-    def _kv_layers(self) -> list[tuple[Attention, torch.Tensor]]:
+    def _kv_layers(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:
         """(attention layer, its KV cache) once per distinct cache tensor, the target's
-        only: an in-worker draft's K/V past its committed tokens is rewritten by its next sync."""
+        only: an in-worker draft moves its own (:class:`WorkerDraftRuntime`)."""
         draft = set() if self.draft_runtime is None else set(self.draft_runtime.layers)
-        seen, layers = set(), []
-        for name, layer in self._attention_layers().items():
-            kv_cache = layer.kv_cache
-            if name in draft:
-                continue
-            if isinstance(kv_cache, torch.Tensor) and kv_cache.data_ptr() not in seen:
-                seen.add(kv_cache.data_ptr())
-                layers.append((layer, kv_cache))
-        return layers
+        return distinct_kv_caches(layer for name, layer in self._attention_layers().items() if name not in draft)
 
     @functools.cached_property
     def _kv_layer_pointers(self) -> torch.Tensor:

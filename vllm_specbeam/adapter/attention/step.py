@@ -10,7 +10,7 @@ with :func:`tree_step`; the attention layers read it with :func:`active_step`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -57,6 +57,16 @@ def masked_rows(tree: DraftTree) -> np.ndarray:
 
 
 _ACTIVE: ActiveTreeStep | None = None
+
+
+def distinct_kv_caches(layers: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+    """``(layer, its KV cache)`` once per cache tensor (layers may share one), for the accepted-K/V moves."""
+    by_cache: dict[int, tuple[torch.nn.Module, torch.Tensor]] = {}
+    for layer in layers:
+        kv_cache = layer.kv_cache
+        if isinstance(kv_cache, torch.Tensor):
+            by_cache.setdefault(kv_cache.data_ptr(), (layer, kv_cache))
+    return list(by_cache.values())
 
 
 def active_step() -> ActiveTreeStep | None:
