@@ -268,7 +268,9 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
     for name, method in plugin_methods().items():
         # rows of their own on a method's engines (the speculative beam search and the chain on
         # dsbd's, the global scope on lookup_tree's), with or without the method's own rows
-        extra_rows = {"dsbd": {SPEC_BEAM, DSBD_CHAIN}, "lookup_tree": {LOOKUP_GLOBAL}}.get(name, set())
+        extra_rows = {"dsbd": {SPEC_BEAM, DSBD_CHAIN}, "lookup_tree": {LOOKUP_GLOBAL}, "mcsd": {MCSD_STOP}}.get(
+            name, set()
+        )
         extra_rows_only = wanted is not None and name not in wanted and not wanted.isdisjoint(extra_rows)
         if wanted is not None and name not in wanted and not extra_rows_only:
             continue
@@ -764,13 +766,17 @@ def main(argv: list[str] | None = None) -> int:
     def scenarios_of(engine: EngineSpec) -> list[dict[str, Any]]:
         return [s for s in scenarios if not engine.greedy_only or s["temperature"] == 0]
 
-    total = sum(2 + len(e.settings) * len(scenarios_of(e)) * args.repeats for e in engines)
+    schedule = engine_schedule(engines, args.engine_rounds)
+    total = sum(2 + len(e.settings) * len(scenarios_of(e)) * args.repeats for _, e in schedule)
     bar = tqdm(total=total, desc="benchmark", unit="step")
     raw: dict[str, dict[str, Any]] = {}
-    engine_records = []
-    for engine in engines:
-        bar.set_postfix_str(engine.id)
+    records: dict[str, dict[str, Any]] = {}
+    for round_index, engine in schedule:
+        bar.set_postfix_str(f"{engine.id} (round {round_index + 1})" if args.engine_rounds > 1 else engine.id)
         is_baseline = engine.kind == "baseline"
+        # The baseline scores every output, once, in the last round (after every other engine ran).
+        scores = is_baseline and round_index == args.engine_rounds - 1
+        name = engine.id if args.engine_rounds == 1 else f"{engine.id}.r{round_index + 1}"
         job = {
             "model": args.model_path,
             "dtype": args.dtype,
@@ -786,41 +792,55 @@ def main(argv: list[str] | None = None) -> int:
                 {"extra_args": s.extra_args, "beam_width": s.beam_width, "speculative": s.speculative}
                 for s in engine.settings
             ],
-            "score_outputs": is_baseline,
+            "score_outputs": scores,
             "score": [
                 {"engine": engine_id, "run": k, "prompt": i, "output": out_ids}
                 for engine_id, data in raw.items()
+                if engine_id != engine.id
                 for k, run in enumerate(data["runs"])
                 for i, out_ids in enumerate(run["outputs"])
             ]
-            if is_baseline
+            if scores
             else [],
-            "result": str(out / "logs" / f"{engine.id}.result.json"),
-            "progress": str(out / "logs" / f"{engine.id}.progress"),
+            "result": str(out / "logs" / f"{name}.result.json"),
+            "progress": str(out / "logs" / f"{name}.progress"),
         }
-        code, peak_mib = run_worker(job, out / "logs" / f"{engine.id}.log", bar)
-        record = {
-            "id": engine.id,
-            "method": engine.method,
-            "speculative_config": engine.speculative_config,
-            "engine_kwargs": engine.engine_kwargs,
-            "log": str(out / "logs" / f"{engine.id}.log"),
-            "peak_rss_mib": peak_mib,
-            "status": "ok" if code == 0 else "failed",
-        }
+        code, peak_mib = run_worker(job, out / "logs" / f"{name}.log", bar)
+        record = records.setdefault(
+            engine.id,
+            {
+                "id": engine.id,
+                "method": engine.method,
+                "speculative_config": engine.speculative_config,
+                "engine_kwargs": engine.engine_kwargs,
+                "log": str(out / "logs" / f"{name}.log"),
+                "peak_rss_mib": 0.0,
+                "status": "ok",
+                "rounds": 0,
+            },
+        )
+        record["peak_rss_mib"] = max(record["peak_rss_mib"], peak_mib)
         if code != 0:
-            record["reason"] = f"worker exit code {code}: {failure_line(out / 'logs' / f'{engine.id}.log')}"
+            record["status"] = "failed"
+            record["reason"] = f"worker exit code {code}: {failure_line(out / 'logs' / f'{name}.log')}"
+            record["log"] = str(out / "logs" / f"{name}.log")
             status[engine.method].status, status[engine.method].reason = "failed", record["reason"]
-            tqdm.write(f"engine {engine.id} failed: {record['reason']}")
+            raw.pop(engine.id, None)
+            tqdm.write(f"engine {name} failed: {record['reason']}")
             if is_baseline:
                 raise SystemExit(f"the no-speculation engine failed; see {record['log']}")
-        else:
-            raw[engine.id] = json.loads(Path(job["result"]).read_text())
-            record["start_s"] = raw[engine.id]["start_s"]
-            raw[engine.id]["job"] = job
-            if is_baseline:
-                attach_scores(raw, job["score"], raw[engine.id])
-        engine_records.append(record)
+            continue
+        if record["status"] == "failed":
+            continue  # failed in an earlier round: its figures stay out
+        data = json.loads(Path(job["result"]).read_text())
+        data["job"] = job
+        record["rounds"] += 1
+        record.setdefault("start_s_rounds", []).append(data["start_s"])
+        record["start_s"] = record["start_s_rounds"][0]
+        raw[engine.id] = data if engine.id not in raw else merge_rounds(raw[engine.id], data)
+        if scores:
+            attach_scores(raw, job["score"], raw[engine.id], data)
+    engine_records = [records[e.id] for e in engines if e.id in records]
     bar.close()
 
     runs = assemble(args, engines, engine_records, raw, prompts)
@@ -841,6 +861,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_sizes": args.batch_sizes,
             "temperatures": args.temperatures,
             "repeats": args.repeats,
+            "engine_rounds": args.engine_rounds,
             "seed": args.seed,
             "dtype": args.dtype,
             "max_model_len": args.max_model_len,
@@ -898,13 +919,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def attach_scores(raw: dict[str, dict[str, Any]], requests: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
-    """Put the baseline's per-token log-probabilities next to each run's
-    outputs (``run["logliks"]``, one list per prompt, in prompt order)."""
-    for request, logliks in zip(requests, baseline["scores"]["external"], strict=True):
+def attach_scores(
+    raw: dict[str, dict[str, Any]], requests: list[dict[str, Any]], baseline: dict[str, Any], scored: dict[str, Any]
+) -> None:
+    """Put the baseline's per-token log-probabilities (from its ``scored``
+    round) next to each run's outputs (``run["logliks"]``, one list per
+    prompt, in prompt order)."""
+    for request, logliks in zip(requests, scored["scores"]["external"], strict=True):
         raw[request["engine"]]["runs"][request["run"]].setdefault("logliks", []).append(logliks)
-    for run, logliks in zip(baseline["runs"], baseline["scores"]["own"], strict=True):
+    for run, logliks in zip(baseline["runs"], scored["scores"]["own"], strict=True):
         run["logliks"] = logliks
+
+
+def engine_schedule(engines: list[EngineSpec], rounds: int) -> list[tuple[int, EngineSpec]]:
+    """``(round, engine)`` in run order: the engines in order, then reversed, and so on, the
+    baseline last in every round, so slow drift on the machine hits every engine alike.
+
+    Example: engines ``[a, b, none]`` over 3 rounds run ``a b none b a none a b none``.
+    """
+    methods = [e for e in engines if e.kind != "baseline"]
+    baseline = [e for e in engines if e.kind == "baseline"]
+    return [(r, e) for r in range(rounds) for e in (methods if r % 2 == 0 else methods[::-1]) + baseline]
+
+
+def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """One engine's raw data over rounds: timed runs and counters pooled, outputs of the
+    first round kept (``outputs_differ_between_rounds`` says whether a later one differed)."""
+    for run, more in zip(first["runs"], later["runs"], strict=True):
+        run["wall_s"] += more["wall_s"]
+        run["output_tokens_runs"] += more["output_tokens_runs"]
+        run["counters"] = {
+            key: _add(run["counters"].get(key, [] if isinstance(value, list) else 0), value)
+            for key, value in more["counters"].items()
+        }
+        run["drafter_state_bytes"], run["step_cost"] = more.get("drafter_state_bytes"), more.get("step_cost")
+        run["outputs_differ_between_rounds"] = run.get("outputs_differ_between_rounds", False) or (
+            run["outputs"] != more["outputs"]
+        )
+    return first
 
 
 def assemble(
@@ -964,6 +1016,7 @@ def assemble(
                     "steps_per_output_token": figures.steps_per_output_token,
                     "draft_time_share": draft_seconds / sum(record["wall_s"]) if draft_seconds is not None else None,
                     "peak_rss_mib": rss[engine.id],
+                    "outputs_differ_between_rounds": record.get("outputs_differ_between_rounds", False),
                     "mean_loglik_per_token": metrics.mean_loglik_per_token(record["logliks"]),
                     "exact_match": None,
                     "pass_rate": None,
@@ -1027,6 +1080,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per scenario; the median is reported")
     parser.add_argument(
+        "--engine-rounds",
+        type=int,
+        default=1,
+        help="start every engine this many times, in alternating order, and pool its runs: engines of one "
+        "invocation can differ by 10-20%% on identical work on a shared CPU",
+    )
+    parser.add_argument(
         "--methods",
         nargs="+",
         default=["all"],
@@ -1059,6 +1119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.worker is None and min(args.batch_sizes) < 1:
         parser.error("batch sizes must be >= 1")
+    if args.engine_rounds < 1:
+        parser.error("--engine-rounds must be >= 1")
     return args
 
 

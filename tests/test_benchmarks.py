@@ -361,6 +361,33 @@ def test_plan_runs_mcsd_settings_on_one_engine_and_the_stop_model_apart():
     assert stop.method == compare.MCSD_STOP and stop.speculative_config == {**config, "stop_model": "/s"}
     # the ablation on the stop model's own engine: each k_config with it and with no stopping at all
     assert [s.label for s in stop.settings] == [s.label for s in {e.id: e for e in engines}["mcsd"].settings]
+    # named alone, the stop model's engine runs without the plain one
+    status, engines = compare.plan(
+        plan_args(draft="d", draft_path="/d", methods=[compare.MCSD_STOP], stop_model="s", stop_model_path="/s")
+    )
+    assert [e.id for e in engines] == ["mcsd-stop", "none"] and "mcsd" not in status
+
+
+def test_engine_rounds_alternate_and_pool_runs():
+    """Engines restarted over rounds run in alternating order, the baseline last each time;
+    their timed runs and counters pool, the first round's outputs stay and a difference shows."""
+    a, b = compare.EngineSpec("a", "a", "plugin", {}, []), compare.EngineSpec("b", "b", "vllm", {}, [])
+    none = compare.EngineSpec("none", "none", "baseline", None, [])
+    order = [(r, e.id) for r, e in compare.engine_schedule([a, b, none], 3)]
+    assert order == [(0, "a"), (0, "b"), (0, "none"), (1, "b"), (1, "a"), (1, "none"), (2, "a"), (2, "b"), (2, "none")]
+    assert [e.id for _, e in compare.engine_schedule([a, b, none], 1)] == ["a", "b", "none"]
+
+    def raw(walls: list[float], accepted: int, outputs: list[list[int]]) -> dict:
+        run = {"wall_s": walls, "output_tokens_runs": [8] * len(walls), "outputs": outputs}
+        return {"runs": [{**run, "counters": {"accepted": accepted, "per_pos": [accepted, 1]}}]}
+
+    merged = compare.merge_rounds(raw([1.0, 2.0], 3, [[1, 2]]), raw([3.0], 4, [[1, 2]]))
+    (run,) = merged["runs"]
+    assert run["wall_s"] == [1.0, 2.0, 3.0] and run["output_tokens_runs"] == [8, 8, 8]
+    assert run["counters"] == {"accepted": 7, "per_pos": [7, 2]} and run["outputs"] == [[1, 2]]
+    assert run["outputs_differ_between_rounds"] is False
+    merged = compare.merge_rounds(merged, raw([1.0], 0, [[1, 3]]))
+    assert merged["runs"][0]["outputs_differ_between_rounds"] is True and merged["runs"][0]["outputs"] == [[1, 2]]
 
 
 def test_plan_runs_every_draft_model_engine_again_with_the_draft_vocabulary():
@@ -390,7 +417,7 @@ def read_markdown_table(text: str) -> list[dict[str, str]]:
 
 
 def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
-    """none + lookup_tree on the tiny model: two engine processes, greedy,
+    """none + lookup_tree on the tiny model: two engines, each started twice (rounds), greedy,
     batch sizes 1 and 2; the JSON, table and plot agree with each other."""
     from conftest import make_prompts
 
@@ -415,6 +442,8 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         "0",
         "--repeats",
         "1",
+        "--engine-rounds",
+        "2",
         "--methods",
         "none",
         "lookup_tree",
@@ -431,7 +460,10 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     result = json.loads((out / "result.json").read_text())
     metrics.validate_result(result)
     assert result["methods"]["lookup_tree"]["status"] == "ok"
-    assert {e["id"]: e["status"] for e in result["engines"]} == {"lookup_tree": "ok", "none": "ok"}
+    assert {e["id"]: (e["status"], e["rounds"]) for e in result["engines"]} == {
+        "lookup_tree": ("ok", 2),
+        "none": ("ok", 2),
+    }
     assert result["environment"]["vllm"].startswith("0.32")
     runs = {(r["method"], r["batch_size"]): r for r in result["runs"]}
     assert set(runs) == {(m, b) for m in ("none", "lookup_tree") for b in (1, 2)}
@@ -446,6 +478,9 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert tree["counters"]["accepted"] == tree["counters"]["tree_accepted"] > 0
         assert tree["accepted_per_step"] > 0 and tree["steps_per_output_token"] < 1
         assert tree["output_tokens"] == 3 * 24 and tree["peak_rss_mib"] > 100
+        # one timed run per round, pooled; the rounds wrote the same tokens
+        assert len(tree["tokens_per_s_runs"]) == len(base["tokens_per_s_runs"]) == 2
+        assert tree["outputs_differ_between_rounds"] is False
     # The table: one row per method and batch size, the baseline first, and cells that
     # agree with the JSON and with each other (the speedup is the ratio of the tok/s cells).
     table = read_markdown_table((out / "table.md").read_text())
