@@ -986,7 +986,13 @@ def assemble(
                 steps, rounds = counters["beam_steps"], counters["beam_rounds"]
                 figures = metrics.spec_figures(steps, steps - rounds, None)
             else:
-                figures = metrics.spec_figures(output_tokens, counters.get("accepted"), counters.get("draft_tokens"))
+                figures = metrics.spec_figures(
+                    output_tokens,
+                    counters.get("accepted"),
+                    counters.get("draft_tokens"),
+                    counters.get("drafts"),
+                    requests=len(record["outputs"]) * len(record["output_tokens_runs"]),
+                )
             draft_seconds = counters.get("beam_draft_seconds" if engine.method == SPEC_BEAM else "tree_draft_seconds")
             runs.append(
                 {

@@ -10,6 +10,13 @@ Definitions (per request, summed over a run):
   emits the target's own token plus the draft tokens it accepted, so
   ``steps = output_tokens - accepted`` (the prefill step emits the first
   token and counts as one). Without speculation ``steps == output_tokens``.
+  vLLM's accepted counter also counts drafts accepted past a request's
+  ``max_tokens`` (its ``draft_model`` drafts ``k`` tokens however few are
+  left, e.g. 306 counted where 285 were written), which would undercount
+  the steps; each step with a draft is counted too (``drafts``), so with
+  ``requests`` prefill steps ``steps = max(output_tokens - accepted,
+  drafts + requests)``, both lower bounds, the second exact whenever every
+  step drafts; accepted tokens are then ``output_tokens - steps``.
 * *accepted tokens per step*: ``accepted / steps``; the tokens gained per
   forward pass over plain decoding (vLLM's "mean acceptance length" is
   ``1 + accepted / drafts`` and only counts steps that had a draft).
@@ -66,14 +73,18 @@ def counter_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[s
     return delta
 
 
-def spec_figures(output_tokens: int, accepted: int | None, draft_tokens: int | None) -> SpecFigures:
+def spec_figures(
+    output_tokens: int, accepted: int | None, draft_tokens: int | None, drafts: int | None = None, requests: int = 0
+) -> SpecFigures:
     """Figures of the module docstring; ``None`` where they are undefined
-    (no counters, e.g. beam search; no drafts for the acceptance rate)."""
+    (no counters, e.g. beam search; no drafts for the acceptance rate).
+    ``drafts``: steps that verified a draft; ``requests``: their prefills."""
     if accepted is None or output_tokens <= 0:
         return SpecFigures(None, None, None)
-    steps = max(output_tokens - accepted, 1)
-    rate = accepted / draft_tokens if draft_tokens else None
-    return SpecFigures(accepted / steps, rate, steps / output_tokens)
+    steps = min(max(output_tokens - accepted, (drafts or 0) + requests, 1), output_tokens)
+    written = output_tokens - steps  # drafted tokens the output holds
+    rate = written / draft_tokens if draft_tokens else None
+    return SpecFigures(written / steps, rate, steps / output_tokens)
 
 
 def median(values: Iterable[float]) -> float | None:

@@ -37,6 +37,13 @@ def test_spec_figures_from_counters():
     plain = metrics.spec_figures(output_tokens=50, accepted=0, draft_tokens=0)
     assert (plain.accepted_per_step, plain.acceptance_rate, plain.steps_per_output_token) == (0.0, None, 1.0)
     assert metrics.spec_figures(50, None, None) == metrics.SpecFigures(None, None, None)
+    # vLLM's counters from a run of draft_model k5 (12 requests, 384 tokens): 87 steps drafted and
+    # 306 tokens counted as accepted, 21 of them past max_tokens; the output holds 384 - 99 = 285
+    vllm = metrics.spec_figures(output_tokens=384, accepted=306, draft_tokens=435, drafts=87, requests=12)
+    assert vllm.steps_per_output_token == pytest.approx(99 / 384)
+    assert vllm.accepted_per_step == pytest.approx(285 / 99) and vllm.acceptance_rate == pytest.approx(285 / 435)
+    # exact counters (the plugin's, or steps without a draft) keep output_tokens - accepted
+    assert metrics.spec_figures(100, 60, 120, drafts=20, requests=1) == figures
 
 
 def test_counter_delta_handles_lists_and_late_counters():
