@@ -7,7 +7,7 @@ import pytest
 
 from vllm_specbeam.adapter.attention.cpu import TreeStep
 from vllm_specbeam.core.lookup import match_ends
-from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 from vllm_specbeam.core.verifiers.greedy import GreedyTreeVerifier, greedy_path
 
 #        root
@@ -27,6 +27,14 @@ def test_depths_children_and_paths():
     assert TREE.children(0).tolist() == [2, 3]
     assert TREE.path_to(5) == [0, 2, 5]
     assert TREE.path_to(4) == [1, 4]
+
+
+def test_committed_path_walks_the_committed_tokens_down_the_tree():
+    tokens, parents = TREE.tokens.tolist(), TREE.parents.tolist()
+    assert committed_path(tokens, parents, [10, 12, 15, 99]) == [0, 2, 5]  # past the leaf: stops
+    assert committed_path(tokens, parents, [11, 14]) == [1, 4]
+    assert committed_path(tokens, parents, [10, 14]) == [0]  # 14 hangs from b, not a
+    assert committed_path(tokens, parents, [12]) == [] and committed_path(tokens, parents, []) == []
 
 
 def test_ancestor_mask_rows_see_root_ancestors_and_self_only():

@@ -56,7 +56,7 @@ from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import distinct_kv_caches, tree_step
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig, SpecbeamConfigError
-from vllm_specbeam.core.tree import ROOT
+from vllm_specbeam.core.tree import ROOT, committed_path
 from vllm_specbeam.draft_runtime import vocab
 from vllm_specbeam.draft_runtime.hf import placement
 
@@ -150,18 +150,7 @@ class _Request:
 
     def accepted_nodes(self, committed: Sequence[int]) -> list[int]:
         """The nodes fed this round that ``committed`` (the tokens after the root) walks, root first."""
-        path: list[int] = []
-        for token in committed:
-            parent = path[-1] if path else ROOT
-            start = parent + 1  # children come after their parent
-            child = next(
-                (i for i in range(start, len(self.tokens)) if self.parents[i] == parent and self.tokens[i] == token),
-                None,
-            )
-            if child is None:
-                break
-            path.append(child)
-        return path
+        return committed_path(self.tokens, self.parents, committed)
 
 
 @dataclasses.dataclass

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 
 #: depths and sibling ranks beyond these share the last bucket
 DEPTH_BUCKETS = 8
@@ -92,17 +92,13 @@ def matched_nodes(tree: DraftTree, shape: TreeShape, committed: Sequence[int]) -
     child ``c`` (node 2), committed ``[a, d]``: all three were tried, only node 0
     matched (node 2 was tried at depth 2 and missed ``d``).
     """
-    tokens = tree.tokens.tolist()
-    matched = [False] * len(tokens)
-    trials, hits = [], []
-    for node, (parent, depth, cell) in enumerate(zip(shape.parents, shape.depths, shape.cells)):
-        if depth > len(committed) or (parent != ROOT and not matched[parent]):
-            continue
-        trials.append(cell)
-        if tokens[node] == committed[depth - 1]:
-            matched[node] = True
-            hits.append(cell)
-    return trials, hits
+    matched = set(committed_path(tree.tokens.tolist(), shape.parents, committed))
+    trials = [
+        cell
+        for parent, depth, cell in zip(shape.parents, shape.depths, shape.cells)
+        if depth <= len(committed) and (parent == ROOT or parent in matched)
+    ]
+    return trials, [shape.cells[node] for node in sorted(matched)]
 
 
 def path_values(shape: TreeShape, rates: np.ndarray) -> list[float]:

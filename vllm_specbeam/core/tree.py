@@ -224,6 +224,25 @@ class DraftTree:
         return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], probs)
 
 
+def committed_path(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> list[int]:
+    """The nodes the ``committed`` tokens (those after the root) walk down a tree, first level first.
+
+    Plain lists, for trees walked on the host every step. Example: tokens
+    ``[5, 6, 8]``, parents ``[-1, -1, 0]``, committed ``[5, 8, 2]``: ``[0, 2]``
+    (``2`` has no node below node 2).
+    """
+    path: list[int] = []
+    for token in committed:
+        parent = path[-1] if path else ROOT
+        child = next(
+            (i for i in range(parent + 1, len(tokens)) if parents[i] == parent and tokens[i] == token), None
+        )  # children come after their parent
+        if child is None:
+            break
+        path.append(child)
+    return path
+
+
 def forest_ancestor_mask(parents: Sequence[int] | np.ndarray) -> np.ndarray:
     """``mask[r, c]``: row ``c`` is row ``r`` or an ancestor of it.
 
