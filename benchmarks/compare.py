@@ -17,6 +17,9 @@ shared CPU are noise: each scenario is repeated, the median is reported, and
 speedups are ratios to the no-speculation engine of the same invocation. The
 no-speculation engine runs last and also scores every output (log-likelihood
 under the target, vLLM ``prompt_logprobs``), so no extra engine start is paid.
+Two starts of one engine can differ by 10-20% on identical work on a shared
+CPU: ``--engine-rounds N`` starts every engine N times, in alternating order,
+and pools its runs, so margins of that size are not one start's luck.
 
     python benchmarks/compare.py                                  # SmolLM2-135M, HumanEval, quick sweep
     python benchmarks/compare.py --model Qwen/Qwen2.5-Coder-1.5B-Instruct \\
