@@ -59,6 +59,7 @@ SERVE_COLUMNS = (
 PROM_COUNTERS = {
     "accepted": "vllm:spec_decode_num_accepted_tokens_total",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "drafts": "vllm:spec_decode_num_drafts_total",
 }
 
 
@@ -150,7 +151,9 @@ async def load_level(
         return None if value is None else value * 1000
 
     itl = [gap for r in results for gap in r["itl"]]
-    figures = metrics.spec_figures(tokens, int(counters["accepted"]), int(counters["draft_tokens"]))
+    figures = metrics.spec_figures(
+        tokens, int(counters["accepted"]), int(counters["draft_tokens"]), int(counters["drafts"]), len(results)
+    )
     return {
         "concurrency": concurrency,
         "requests": len(results),
