@@ -531,10 +531,7 @@ def worker(job_path: Path) -> None:
                 record["drafter_state_bytes"] = state_bytes
                 record["step_cost"] = dict(step_cost)
                 record["output_tokens_runs"].append(sum(map(len, outputs)))
-                record["counters"] = {
-                    key: _add(record["counters"].get(key, [] if isinstance(value, list) else 0), value)
-                    for key, value in delta.items()
-                }
+                record["counters"] = _add_counters(record["counters"], delta)
                 tick()
 
     records = list(runs.values())
@@ -542,6 +539,11 @@ def worker(job_path: Path) -> None:
     tick()
     Path(job["result"]).write_text(json.dumps({"start_s": start_s, "runs": records, "scores": scores}))
     llm.llm_engine.engine_core.shutdown()
+
+
+def _add_counters(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """``total + more`` key by key (a key new in ``more`` counts from zero)."""
+    return {key: _add(total.get(key, [] if isinstance(value, list) else 0), value) for key, value in more.items()}
 
 
 def _add(total: Any, value: Any) -> Any:
@@ -951,10 +953,7 @@ def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]
     for run, more in zip(first["runs"], later["runs"], strict=True):
         run["wall_s"] += more["wall_s"]
         run["output_tokens_runs"] += more["output_tokens_runs"]
-        run["counters"] = {
-            key: _add(run["counters"].get(key, [] if isinstance(value, list) else 0), value)
-            for key, value in more["counters"].items()
-        }
+        run["counters"] = _add_counters(run["counters"], more["counters"])
         run["drafter_state_bytes"], run["step_cost"] = more.get("drafter_state_bytes"), more.get("step_cost")
         run["outputs_differ_between_rounds"] = run.get("outputs_differ_between_rounds", False) or (
             run["outputs"] != more["outputs"]

@@ -148,10 +148,6 @@ class _Request:
         self.valid = self.length = length
         self.tokens, self.parents, self.depths, self.visible = [], [], [], []
 
-    def accepted_nodes(self, committed: Sequence[int]) -> list[int]:
-        """The nodes fed this round that ``committed`` (the tokens after the root) walks, root first."""
-        return committed_path(self.tokens, self.parents, committed)
-
 
 @dataclasses.dataclass
 class _Feed:
@@ -340,9 +336,10 @@ class WorkerDraftRuntime:
         for index, req_id in enumerate(batch.req_ids):
             end = min(int(batch.num_tokens_no_spec[index]), self._capacity(index))
             request = self._request(req_id, index)
-            if request.valid < end:  # most steps: sync_many already fed it (no copy of the context then)
-                self._keep_accepted(request, index, batch.token_ids_cpu[index, request.length : end])
-            if request.valid < end:
+            if request.valid >= end:  # most steps: sync_many already fed it (no copy of the context then)
+                continue
+            self._keep_accepted(request, index, batch.token_ids_cpu[index, request.length : end])
+            if request.valid < end:  # the kept nodes may cover the rest
                 feeds.append(self._committed_feed(index, batch.token_ids_cpu[index, :end].tolist(), request.valid))
                 request.new_round(end)
         if feeds:
@@ -362,7 +359,7 @@ class WorkerDraftRuntime:
         the draft's K/V of those tokens (the module docstring's example); ``request.valid`` then counts them."""
         if not len(committed) or not request.tokens or request.valid != request.length:
             return  # nothing committed since the round, or no tree fed
-        path = request.accepted_nodes(committed)
+        path = committed_path(request.tokens, request.parents, committed)  # nodes fed this round
         moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
         if moved:
             src = self._slots(index, [request.length + node for node, _ in moved])  # [moves]

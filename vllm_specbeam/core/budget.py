@@ -92,13 +92,14 @@ def matched_nodes(tree: DraftTree, shape: TreeShape, committed: Sequence[int]) -
     child ``c`` (node 2), committed ``[a, d]``: all three were tried, only node 0
     matched (node 2 was tried at depth 2 and missed ``d``).
     """
-    matched = set(committed_path(tree.tokens.tolist(), shape.parents, committed))
+    path = committed_path(tree.tokens.tolist(), shape.parents, committed)
+    matched = set(path)
     trials = [
         cell
         for parent, depth, cell in zip(shape.parents, shape.depths, shape.cells)
         if depth <= len(committed) and (parent == ROOT or parent in matched)
     ]
-    return trials, [shape.cells[node] for node in sorted(matched)]
+    return trials, [shape.cells[node] for node in path]
 
 
 def path_values(shape: TreeShape, rates: np.ndarray) -> list[float]:
