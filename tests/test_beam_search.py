@@ -12,7 +12,6 @@ import math
 
 import pytest
 from conftest import make_prompts
-from test_draft_model import count_forwards
 
 DEPTH = 3
 
@@ -124,6 +123,23 @@ def test_bad_tree_prompt_fails_that_request_only(llm):
 
 
 # ---------------------------------------------------------------- the search
+def _count_search_forwards(worker) -> None:
+    """Log the rows of every forward of the worker's beam-search draft."""
+    runtime = worker.model_runner.search_draft_runtime
+    runtime.batches = []
+    forward = runtime._forward
+
+    def counted(feeds, last_only):
+        runtime.batches.append(len(feeds))
+        return forward(feeds, last_only)
+
+    runtime._forward = counted
+
+
+def _search_batches(worker) -> list[int]:
+    return worker.model_runner.search_draft_runtime.batches
+
+
 def assert_same_search(ours, theirs) -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
@@ -133,7 +149,7 @@ def assert_same_search(ours, theirs) -> None:
 
 
 @pytest.mark.parametrize("width,ignore_eos", [(2, True), (3, False)])
-def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos, monkeypatch):
+def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos):
     from vllm.sampling_params import BeamSearchParams
 
     from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
@@ -141,8 +157,9 @@ def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos,
     prompts = make_prompts(5, seed=1)  # at width 3, prompt 0 has EOS-completed beams among its best
     params = BeamSearchParams(beam_width=width, max_tokens=24, ignore_eos=ignore_eos)
     search = SpeculativeBeamSearch(llm)
-    batches = count_forwards(search.runtime, monkeypatch)
+    llm.collective_rpc(_count_search_forwards)
     ours = search.run(prompts, params)
+    batches = llm.collective_rpc(_search_batches)[0]
     theirs = llm.beam_search(prompts, params)
     assert_same_search(ours, theirs)
     assert search.stats.steps == 24 * len(prompts) or not ignore_eos

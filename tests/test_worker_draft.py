@@ -39,9 +39,9 @@ def wide_draft(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str
     return str(path)
 
 
-def _record(worker) -> None:
-    """Log every call of the worker's draft runtime with its logits."""
-    runtime = worker.model_runner.draft_runtime
+def _record(worker, runtime_name: str = "draft_runtime") -> None:
+    """Log every call of one of the worker's draft runtimes with its logits."""
+    runtime = getattr(worker.model_runner, runtime_name)
     runtime.calls = []
     sync_many, extend_many = runtime.sync_many, runtime.extend_many
 
@@ -71,11 +71,11 @@ class _LoggedCall:
     rows: torch.Tensor  # [len(sequences), vocab]
 
 
-def _logged_calls(worker) -> Iterator[_LoggedCall]:
+def _logged_calls(worker, runtime_name: str) -> Iterator[_LoggedCall]:
     """The worker's logged draft calls (``_record``), each row paired with its plain sequence."""
     context: dict[str, list[int]] = {}
     trees: dict[str, list[tuple[int, int]]] = {}
-    for kind, req_id, tokens, parents, logits in worker.model_runner.draft_runtime.calls:
+    for kind, req_id, tokens, parents, logits in getattr(worker.model_runner, runtime_name).calls:
         if kind == "sync":
             context[req_id], trees[req_id] = tokens, []
             if logits is not None:
@@ -87,14 +87,14 @@ def _logged_calls(worker) -> Iterator[_LoggedCall]:
         yield _LoggedCall(kind, context[req_id], tokens, parents, first, sequences, logits)
 
 
-def _check(worker, draft: str) -> dict:
+def _check(worker, draft: str, runtime_name: str = "draft_runtime") -> dict:
     """Each logged logit row against transformers on the same tokens as a plain sequence."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
     worst = {"sync": 0.0, "extend": 0.0}
     counts = {"sync": 0, "extend": 0, "branching_depths": 0, "chain_depths": 0}
-    for call in _logged_calls(worker):
+    for call in _logged_calls(worker, runtime_name):
         if call.kind == "extend":
             counts["branching_depths"] += len(set(call.parents)) < len(call.parents)
             # causal rows, no mask
@@ -165,6 +165,39 @@ def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wid
     engines.close()
 
 
+def _search_pool(worker) -> dict:
+    runtime = worker.model_runner.search_draft_runtime
+    return {"keys": len(runtime.pool.rows), "blocks": runtime.pool.num_blocks, "live": runtime.live_requests}
+
+
+def test_beam_search_drafts_in_the_worker_with_exact_logits_and_frees_its_blocks(engines, wide_draft: str) -> None:
+    """The speculative beam search drafts on the engine's own draft in the worker, its K/V in
+    blocks of its own: every row (prefixes, beams' tails fed as one tree, drafted depths, over
+    rounds) equals transformers on the plain sequence, and the blocks go when the search ends."""
+    from vllm.sampling_params import BeamSearchParams
+
+    from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch, WorkerForests
+
+    spec = {"method": "dsbd", "model": wide_draft, "num_speculative_tokens": 3}
+    llm = engines.get(spec, enable_prefix_caching=True)
+    search = SpeculativeBeamSearch(llm)
+    assert isinstance(search.forests, WorkerForests)  # no draft in this process
+    llm.collective_rpc(_record, args=("search_draft_runtime",))
+    prompts = [make_prompts(10)[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    ours = search.run(prompts, params)
+    assert [[s.tokens for s in o.sequences] for o in ours] == [
+        [s.tokens for s in o.sequences] for o in llm.beam_search(prompts, params)
+    ]
+    result = llm.collective_rpc(_check, args=(wide_draft, "search_draft_runtime"))[0]
+    counts = result["counts"]
+    assert counts["sync"] >= 2 * len(prompts) and counts["extend"] > 50 and counts["branching_depths"] > 0
+    assert result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL, result["worst"]
+    assert search.stats.rounds > 1 and search.stats.draft_nodes > 0
+    assert llm.collective_rpc(_search_pool) == [{"keys": 0, "blocks": 0, "live": 0}]
+    engines.close()
+
+
 def test_draft_shape_differs_from_the_targets(tiny_model: str, wide_draft: str) -> None:
     """The premise of the test above: another K/V shape and layer count."""
     assert _page_bytes(wide_draft) != _page_bytes(tiny_model) and Path(wide_draft).is_dir()
@@ -196,7 +229,7 @@ def _check_vocabulary(worker, draft: str, kept: list[int]) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
     worst, rows_checked, own_columns = 0.0, 0, 0
-    for call in _logged_calls(worker):
+    for call in _logged_calls(worker, "draft_runtime"):
         columns = sorted(set(kept) | set(call.context))
         own_columns = max(own_columns, len(columns) - len(kept))
         with torch.inference_mode():

@@ -10,13 +10,14 @@ but a round advances up to ``num_speculative_tokens + 1`` tokens:
 1. **Draft.** The draft model runs the same beam search from the ``W``
    target beams for ``num_speculative_tokens`` depths, keeping the
    ``draft_width`` best (beam, token) pairs per depth jointly over all beams,
-   scores starting from the target beams' own: a forest, one tree per beam.
-   The draft keeps one KV cache per prompt: the beams' common prefix is
-   encoded once and their differing tails are tree nodes below it
-   (:class:`~vllm_specbeam.draft_runtime.hf.DraftModelRuntime`); all prompts are
-   drafted together, one batched draft forward per depth, by the same beam
-   search the in-engine ``dsbd`` drafter runs at temperature 0
-   (:class:`~vllm_specbeam.methods.dsbd.drafter.DraftBeamSearch`).
+   scores starting from the target beams' own: a forest, one tree per beam
+   (:func:`~vllm_specbeam.methods.dsbd.drafter.draft_forests`). The draft
+   keeps one state per prompt: the beams' common prefix is encoded once and
+   their differing tails are tree nodes below it; all prompts are drafted
+   together, one batched draft forward per depth. On vLLM's CPU backend
+   this runs in the engine's worker on the draft vLLM loaded for ``dsbd``
+   (:class:`WorkerForests`, one ``collective_rpc`` a round); on CUDA in this
+   process with a Hugging Face copy of the draft (:class:`LocalForests`).
 2. **Score.** Every beam of every prompt is submitted once with its tree
    appended (:mod:`vllm_specbeam.adapter.tree_prompt`): one target pass scores the
    whole forest, and the beams share their prompt's KV blocks through vLLM's
@@ -44,22 +45,24 @@ draft; ``num_speculative_tokens`` the draft depth)::
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from vllm_specbeam.adapter import tree_prompt
+from vllm_specbeam.adapter.draft_model import uses_worker_draft
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT, DraftTree
-from vllm_specbeam.draft_runtime.hf import DraftModelRuntime, common_prefix, placement
-from vllm_specbeam.methods.dsbd.drafter import DraftBeamSearch, draft_beams
+from vllm_specbeam.draft_runtime.hf import DraftModelRuntime, placement
+from vllm_specbeam.methods.dsbd.drafter import ForestRequest, draft_forests
 
 _SEARCH_IDS = itertools.count()
 
@@ -202,11 +205,83 @@ class PromptSearch:
     trees: list[DraftTree] = field(default_factory=list)
 
 
-class SpeculativeBeamSearch:
-    """Draft model and options for :func:`beam_search` on one engine.
+class WorkerForests:
+    """Forests drafted by the engine's own draft, in its worker (vLLM's CPU backend).
 
-    The draft model is loaded once, in this process (the engine's workers
-    hold their own copy for in-engine ``dsbd`` requests).
+    Each round is one ``collective_rpc`` (``specbeam_draft_forests``, run
+    between engine steps) with plain data both ways; the draft's state per
+    prompt stays in the worker
+    (:class:`~vllm_specbeam.adapter.draft_model.SearchDraftRuntime`) until
+    :meth:`release`. No copy of the draft in this process.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @staticmethod
+    def _args(requests: list[ForestRequest], width: int, eos: int | None) -> tuple[Any, ...]:
+        return ([[r.key, r.beams, r.scores, r.depth] for r in requests], width, eos)
+
+    @staticmethod
+    def _trees(forests: list[list[tuple[list[int], list[int]]]]) -> list[list[DraftTree]]:
+        return [[DraftTree(np.asarray(t, np.int64), np.asarray(p, np.int64)) for t, p in trees] for trees in forests]
+
+    def draft(self, requests: list[ForestRequest], width: int, eos: int | None) -> list[list[DraftTree]]:
+        forests = self.engine.collective_rpc("specbeam_draft_forests", args=self._args(requests, width, eos))
+        return self._trees(forests[0])
+
+    async def draft_async(self, requests: list[ForestRequest], width: int, eos: int | None) -> list[list[DraftTree]]:
+        forests = await self.engine.collective_rpc("specbeam_draft_forests", args=self._args(requests, width, eos))
+        return self._trees(forests[0])
+
+    def release(self, keys: list[str]) -> None:
+        self.engine.collective_rpc("specbeam_release_forests", args=(keys,))
+
+    async def release_async(self, keys: list[str]) -> None:
+        await self.engine.collective_rpc("specbeam_release_forests", args=(keys,))
+
+
+class LocalForests:
+    """Forests drafted in this process by the Hugging Face runtime (CUDA engines, whose
+    workers do not run the draft yet): a second copy of the draft, loaded here."""
+
+    def __init__(self, vllm_config: Any, options: dict[str, Any]) -> None:
+        device, dtype = placement(
+            options["draft_device"],
+            options["draft_dtype"],
+            vllm_config.device_config.device,
+            vllm_config.model_config.dtype,
+        )
+        self.runtime = DraftModelRuntime(
+            options["draft_model"],
+            target_vocab_size=vllm_config.model_config.get_vocab_size(),
+            device=device,
+            dtype=dtype,
+        )
+        #: one search drafts at a time: the server runs concurrent searches' drafts in threads
+        self._lock = threading.Lock()
+
+    def draft(self, requests: list[ForestRequest], width: int, eos: int | None) -> list[list[DraftTree]]:
+        with self._lock:
+            return draft_forests(self.runtime, requests, width, eos)
+
+    async def draft_async(self, requests: list[ForestRequest], width: int, eos: int | None) -> list[list[DraftTree]]:
+        return await asyncio.to_thread(self.draft, requests, width, eos)
+
+    def release(self, keys: list[str]) -> None:
+        with self._lock:
+            self.runtime.remove(keys)
+
+    async def release_async(self, keys: list[str]) -> None:
+        await asyncio.to_thread(self.release, keys)
+
+
+class SpeculativeBeamSearch:
+    """Draft and options for :func:`beam_search` on one engine.
+
+    On vLLM's CPU backend the engine's own draft drafts, in its worker
+    (:class:`WorkerForests`); elsewhere the draft is loaded once in this
+    process (:class:`LocalForests`).
     """
 
     def __init__(self, engine: Any, num_speculative_tokens: int | None = None, draft_width: int | None = None) -> None:
@@ -222,21 +297,14 @@ class SpeculativeBeamSearch:
         self.draft_width = draft_width
         if self.depth < 1 or (draft_width is not None and draft_width < 1):
             raise ValueError("num_speculative_tokens and draft_width must be at least 1")
-        device, dtype = placement(
-            options["draft_device"],
-            options["draft_dtype"],
-            vllm_config.device_config.device,
-            vllm_config.model_config.dtype,
-        )
-        self.runtime = DraftModelRuntime(
-            options["draft_model"],
-            target_vocab_size=vllm_config.model_config.get_vocab_size(),
-            device=device,
-            dtype=dtype,
+        self.forests: WorkerForests | LocalForests = (
+            WorkerForests(engine)
+            if uses_worker_draft(plugin_config(vllm_config))
+            else LocalForests(vllm_config, options)
         )
         self.stats = BeamSearchStats()
-        #: one search drafts at a time: the server runs concurrent searches' drafts in threads
-        self._draft_lock = threading.Lock()
+        #: prompt keys unique across searches and processes (the worker holds their drafts' state)
+        self._keys = f"beam-search-{uuid.uuid4().hex[:12]}"
 
     # ------------------------------------------------------------ the search
     def run(self, prompts: Sequence[Any], params: Any) -> list[Any]:
@@ -251,7 +319,7 @@ class SpeculativeBeamSearch:
         inputs = self.engine._preprocess_cmpl(list(prompts))
         search = next(_SEARCH_IDS)
         instances = [
-            PromptSearch(BeamSearchInstance(prompt), f"beam-search-{search}-{i}") for i, prompt in enumerate(inputs)
+            PromptSearch(BeamSearchInstance(prompt), f"{self._keys}-{search}-{i}") for i, prompt in enumerate(inputs)
         ]
         try:
             while active := self.active(instances, params):
@@ -278,25 +346,54 @@ class SpeculativeBeamSearch:
         return [inst for inst in instances if inst.state.beams and inst.steps < params.max_tokens]
 
     def release(self, instances: Sequence[PromptSearch]) -> None:
-        """Free the draft caches of finished (or abandoned) searches."""
-        with self._draft_lock:
-            self.runtime.remove(inst.key for inst in instances)
+        """Free the draft state of finished (or abandoned) searches."""
+        self.forests.release([inst.key for inst in instances])
+
+    async def release_async(self, instances: Sequence[PromptSearch]) -> None:
+        await self.forests.release_async([inst.key for inst in instances])
 
     def draft_round(self, active: list[PromptSearch], params: Any, eos: int | None) -> list[tuple[Any, Any]]:
         """Draft every active prompt's forest; one (prompt, ``SamplingParams``)
         per target beam: the beam with its tree appended."""
+        start = time.perf_counter()
+        forests = self.forests.draft(self._forest_requests(active, params), self._width(params), eos)
+        self.stats.draft_seconds += time.perf_counter() - start
+        return self._scoring_requests(active, params, forests)
+
+    async def draft_round_async(
+        self, active: list[PromptSearch], params: Any, eos: int | None
+    ) -> list[tuple[Any, Any]]:
+        """:meth:`draft_round` for the server's event loop."""
+        start = time.perf_counter()
+        forests = await self.forests.draft_async(self._forest_requests(active, params), self._width(params), eos)
+        self.stats.draft_seconds += time.perf_counter() - start
+        return self._scoring_requests(active, params, forests)
+
+    def _width(self, params: Any) -> int:
+        return self.draft_width or 2 * params.beam_width
+
+    def _forest_requests(self, active: list[PromptSearch], params: Any) -> list[ForestRequest]:
+        return [
+            ForestRequest(
+                inst.key,
+                [list(b.tokens) for b in inst.state.beams],
+                [float(b.cum_logprob) for b in inst.state.beams],
+                min(self.depth, params.max_tokens - inst.steps - 1),
+            )
+            for inst in active
+        ]
+
+    def _scoring_requests(
+        self, active: list[PromptSearch], params: Any, forests: list[list[DraftTree]]
+    ) -> list[tuple[Any, Any]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         num_logprobs = 2 * params.beam_width
         requests = []
-        start = time.perf_counter()
-        with self._draft_lock:
-            depths = [min(self.depth, params.max_tokens - inst.steps - 1) for inst in active]
-            self._draft(active, depths, self.draft_width or num_logprobs, eos)
-        self.stats.draft_seconds += time.perf_counter() - start
-        for inst in active:
-            for beam, tree in zip(inst.state.beams, inst.trees):
+        for inst, trees in zip(active, forests):
+            inst.trees = trees
+            for beam, tree in zip(inst.state.beams, trees):
                 prompt = TokensPrompt(prompt_token_ids=list(beam.tokens) + tree.tokens.tolist())
                 if beam.orig_prompt.get("cache_salt"):
                     prompt["cache_salt"] = beam.orig_prompt["cache_salt"]
@@ -320,40 +417,6 @@ class SpeculativeBeamSearch:
             inst.steps += done
             self.stats.steps += done
             self.stats.prompt_rounds += 1
-
-    # ------------------------------------------------------------ draft
-    @torch.inference_mode()
-    def _draft(self, active: list[PromptSearch], depths: list[int], width: int, eos: int | None) -> None:
-        """Set every prompt's ``trees``: one per live beam, from the draft's beam
-        search over all the prompt's beams, ``width`` pairs per depth. All
-        prompts are drafted together: one batched draft forward per depth."""
-        starts = []
-        for inst in active:
-            tokens = [list(b.tokens) for b in inst.state.beams]
-            common = _common_prefix_len(tokens)
-            tails = DraftTree.from_paths(t[common:] for t in tokens)
-            starts.append((tokens[0][:common], tails, [_walk(tails, t[common:]) for t in tokens]))
-        at_prefix = self.runtime.sync_many([(inst.key, prefix, 0) for inst, (prefix, _, _) in zip(active, starts)])
-        with_tails = [i for i, (_, tails, _) in enumerate(starts) if tails.num_nodes]
-        at_tails = dict(
-            zip(
-                with_tails,
-                self.runtime.extend_many(
-                    [(active[i].key, starts[i][1].tokens.tolist(), starts[i][1].parents.tolist()) for i in with_tails]
-                ),
-            )
-        )
-        searches = []
-        for i, (inst, (_, tails, ends), depth) in enumerate(zip(active, starts, depths)):
-            rows = torch.stack([at_prefix[i] if end == ROOT else at_tails[i][end] for end in ends])
-            scores = torch.tensor([b.cum_logprob for b in inst.state.beams], dtype=torch.float32)
-            # an EOS candidate ends its beam, it is never extended
-            searches.append(
-                DraftBeamSearch(inst.key, [width] * max(depth, 0), rows, ends, scores, tails.num_nodes, eos)
-            )
-        draft_beams(self.runtime, [s for s in searches if s.widths], None)
-        for inst, (_, tails, ends), search in zip(active, starts, searches):
-            inst.trees = _beam_trees(search, ends, tails.num_nodes)
 
     # ------------------------------------------------------------ verify
     def _verify(self, inst: PromptSearch, rows: list[list[dict[int, Any]]], params: Any, selection: Selection) -> int:
@@ -416,39 +479,3 @@ def beam_search(
     :class:`SpeculativeBeamSearch` to search repeatedly.
     """
     return SpeculativeBeamSearch(llm, num_speculative_tokens, draft_width).run(prompts, params)
-
-
-def _common_prefix_len(sequences: Sequence[Sequence[int]]) -> int:
-    """Length of the tokens every sequence starts with (at least the prompt)."""
-    first = list(sequences[0])
-    return min(common_prefix(first, list(s)) for s in sequences)
-
-
-def _walk(tree: DraftTree, path: Sequence[int]) -> int:
-    """The node a token path from the root ends at (``ROOT`` for an empty path)."""
-    node = ROOT
-    for token in path:
-        node = next(int(c) for c in tree.children(node) if tree.tokens[c] == token)
-    return node
-
-
-def _beam_trees(search: DraftBeamSearch, ends: list[int], first_node: int) -> list[DraftTree]:
-    """The draft's search split into one tree per target beam (the beam whose
-    end its first node hangs below), nodes weighted by their joint score."""
-    beam_of_end = {end: b for b, end in enumerate(ends)}
-    beam_of: list[int] = []
-    path_of: list[tuple[int, ...]] = []
-    for token, parent in zip(search.tokens, search.parents):
-        own = parent - first_node  # an earlier drafted node, or negative: a target beam's end
-        beam_of.append(beam_of[own] if own >= 0 else beam_of_end[parent])
-        path_of.append((path_of[own] if own >= 0 else ()) + (token,))
-    top = max(search.node_scores, default=0.0)
-    drafted: list[list[int]] = [[] for _ in ends]
-    for node, beam in enumerate(beam_of):
-        drafted[beam].append(node)
-    return [
-        DraftTree.from_weighted_paths(
-            [path_of[n] for n in nodes], [np.exp(search.node_scores[n] - top) for n in nodes], len(nodes)
-        )
-        for nodes in drafted
-    ]

@@ -15,10 +15,12 @@ that the server's default temperature is 1), prompts that are not plain
 tokens (embeddings, multimodal, encoder-decoder), and any request on an
 engine that cannot run the speculative search (logged once, with the reason).
 
-The draft model is loaded in the API server's process on the first such
-request (the engine's workers keep their own copy for in-engine ``dsbd``);
-loading and drafting run in a worker thread so the event loop keeps serving,
-and concurrent searches draft one at a time.
+On vLLM's CPU backend the engine's own draft drafts each round in its worker
+(``collective_rpc``, awaited: the event loop keeps serving). Elsewhere the
+draft model is loaded in the API server's process on the first such request
+(the engine's workers keep their own copy for in-engine ``dsbd``); loading
+and drafting then run in a worker thread, and concurrent searches draft one
+at a time.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ async def beam_search(
     inst = PromptSearch(BeamSearchInstance(prompt, lora_request=lora_request), f"server-{request_id}-{random_uuid()}")
     try:
         while active := search.active([inst], params):
-            requests = await asyncio.to_thread(search.draft_round, active, params, selection.eos)
+            requests = await search.draft_round_async(active, params, selection.eos)
             batch = f"{request_id}-{random_uuid()}"
             results = [
                 outputs[-1]
@@ -134,7 +136,7 @@ async def beam_search(
                 break
             search.verify_round(active, results, params, selection)
     finally:
-        await asyncio.to_thread(search.release, [inst])
+        await search.release_async([inst])
     yield _final_output(serving, request_id, prompt, params, selection.best(inst.state))
 
 

@@ -45,8 +45,9 @@ checked with draft layers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -153,7 +154,7 @@ class _Request:
 class _Feed:
     """The rows one forward computes for one request."""
 
-    batch_index: int
+    blocks: torch.Tensor  # [max_blocks] the request's block ids
     tokens: list[int]
     positions: list[int]  # RoPE positions
     slots: list[int]  # slot positions in the request's blocks
@@ -262,16 +263,16 @@ class WorkerDraftRuntime:
         results: list[torch.Tensor | None] = [None] * len(requests)
         admitted, feeds = [], []
         for k, (req_id, token_ids, reserve) in enumerate(requests):
-            index = self.runner.input_batch.req_id_to_index[req_id]
             tokens = [int(t) for t in token_ids]
             if not tokens:
                 raise ValueError(f"request {req_id!r} has no committed token to draft from")
-            if len(tokens) + reserve > self._capacity(index):
+            if len(tokens) + reserve > self._capacity(req_id, len(tokens) + reserve):
                 continue  # no slots for the tree: undrafted (sync_step still feeds its tokens)
-            request = self._request(req_id, index)
-            self._keep_accepted(request, index, tokens[request.length :])
+            request = self._request(req_id)
+            blocks = self._blocks(req_id)
+            self._keep_accepted(request, blocks, tokens[request.length :])
             start = min(request.valid, len(tokens) - 1)  # the last token's logits are the answer
-            feeds.append(self._committed_feed(index, tokens, start))
+            feeds.append(self._committed_feed(blocks, tokens, start))
             if self._head is not None:
                 request.own_tokens = self._head.own_tokens(request.own_tokens, tokens[request.tokens_read :])
                 request.tokens_read = len(tokens)
@@ -301,13 +302,18 @@ class WorkerDraftRuntime:
                 slots.append(slot)
                 positions.append(request.length - 1 + request.depths[-1])
                 visible.append(request.visible[-1])
-            index = self.runner.input_batch.req_id_to_index[req_id]
+            capacity = self._capacity(req_id, slots[-1] + 1) if slots else 0
+            if slots and slots[-1] >= capacity:
+                raise ValueError(
+                    f"request {req_id!r}: tree node slot {slots[-1]} is past its {capacity} slots "
+                    "(sync_many's reserve counts the nodes a round may feed)"
+                )
             # A row that sees every scratch slot before its own is plain causal attention (a chain,
             # e.g. max_width 1: node slots [L, L+1, L+2] at depths [1, 2, 3]): no tree mask needed.
             causal = all(v == list(range(request.length, s + 1)) for v, s in zip(visible, slots))
             feeds.append(
                 _Feed(
-                    index,
+                    self._blocks(req_id),
                     [int(t) for t in tokens],
                     positions,
                     slots,
@@ -334,27 +340,52 @@ class WorkerDraftRuntime:
         batch = self.runner.input_batch
         feeds = []
         for index, req_id in enumerate(batch.req_ids):
-            end = min(int(batch.num_tokens_no_spec[index]), self._capacity(index))
-            request = self._request(req_id, index)
+            end = min(int(batch.num_tokens_no_spec[index]), self._capacity(req_id, 0))
+            request = self._request(req_id)
             if request.valid >= end:  # most steps: sync_many already fed it (no copy of the context then)
                 continue
-            self._keep_accepted(request, index, batch.token_ids_cpu[index, request.length : end])
+            blocks = self._blocks(req_id)
+            self._keep_accepted(request, blocks, batch.token_ids_cpu[index, request.length : end])
             if request.valid < end:  # the kept nodes may cover the rest
-                feeds.append(self._committed_feed(index, batch.token_ids_cpu[index, :end].tolist(), request.valid))
+                feeds.append(self._committed_feed(blocks, batch.token_ids_cpu[index, :end].tolist(), request.valid))
                 request.new_round(end)
         if feeds:
             self._forward(feeds, last_only=None)
 
-    # ------------------------------------------------------------ internals
-    def _request(self, req_id: str, index: int) -> _Request:
-        """The request's state; a new one trusts the draft K/V of its prefix-cache hit."""
+    def _request(self, req_id: str) -> _Request:
+        """The request's state; a new one trusts the draft K/V it already has (:meth:`_trusted`)."""
         request = self._requests.get(req_id)
         if request is None:
-            computed = int(self.runner.input_batch.num_computed_tokens_cpu[index])
-            request = self._requests[req_id] = _Request(valid=computed)
+            request = self._requests[req_id] = _Request(valid=self._trusted(req_id))
         return request
 
-    def _keep_accepted(self, request: _Request, index: int, committed: Sequence[int]) -> None:
+    # ------------------------------------------------------------ whose blocks (the engine's requests')
+    def _blocks(self, req_id: str) -> torch.Tensor:
+        """The request's block ids ``[max_blocks]``: its row of the runner's block table."""
+        table = self.runner.input_batch.block_table[0]
+        return table.block_table.cpu[self.runner.input_batch.req_id_to_index[req_id]]
+
+    def _capacity(self, req_id: str, needed: int) -> int:
+        """Slots the request's blocks hold now (the scheduler reserved ``needed`` or fewer), at most
+        ``max_model_len``."""
+        table = self.runner.input_batch.block_table[0]
+        allocated = int(table.num_blocks_per_row[self.runner.input_batch.req_id_to_index[req_id]]) * table.block_size
+        return min(allocated, self.runner.vllm_config.model_config.max_model_len)
+
+    def _trusted(self, req_id: str) -> int:
+        """Leading tokens of a new request whose draft K/V are in its blocks: its prefix-cache hit."""
+        return int(self.runner.input_batch.num_computed_tokens_cpu[self.runner.input_batch.req_id_to_index[req_id]])
+
+    def _moved_caches(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+        """``(layer, KV cache)`` pairs :meth:`_keep_accepted` moves K/V in."""
+        return self._kv_layers
+
+    @property
+    def block_size(self) -> int:
+        return int(self.runner.input_batch.block_table[0].block_size)
+
+    # ------------------------------------------------------------ internals
+    def _keep_accepted(self, request: _Request, blocks: torch.Tensor, committed: Sequence[int]) -> None:
         """Make the K/V of last round's nodes that ``committed`` (the tokens after the root) walks
         the draft's K/V of those tokens (the module docstring's example); ``request.valid`` then counts them."""
         if not len(committed) or not request.tokens or request.valid != request.length:
@@ -362,33 +393,25 @@ class WorkerDraftRuntime:
         path = committed_path(request.tokens, request.parents, committed)  # nodes fed this round
         moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
         if moved:
-            src = self._slots(index, [request.length + node for node, _ in moved])  # [moves]
-            dst = self._slots(index, [request.length + depth for _, depth in moved])  # [moves]
-            cpu_attention.move_kv(self._kv_layers, src, dst)
+            src = self._slots(blocks, [request.length + node for node, _ in moved])  # [moves]
+            dst = self._slots(blocks, [request.length + depth for _, depth in moved])  # [moves]
+            cpu_attention.move_kv(self._moved_caches(), src, dst)
         counts = self.runner.tree_counts
         counts.draft_kv_kept += len(path)
         counts.draft_kv_moves += len(moved)
         request.new_round(request.length)
         request.valid += len(path)
 
-    def _slots(self, index: int, positions: Sequence[int]) -> torch.Tensor:
-        """The KV-cache slots of ``positions`` in the request's blocks (batch row ``index``)."""
-        table = self.runner.input_batch.block_table[0]
+    def _slots(self, blocks: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+        """The KV-cache slots of ``positions`` in a request's ``blocks``."""
+        size = self.block_size
         positions_t = torch.tensor(positions, dtype=torch.int64)  # [n]
-        return table.block_table.cpu[index, positions_t // table.block_size].to(torch.int64) * table.block_size + (
-            positions_t % table.block_size
-        )  # [n]
-
-    def _capacity(self, index: int) -> int:
-        """Slots the request's blocks hold now (the scheduler's reservation), at most ``max_model_len``."""
-        table = self.runner.input_batch.block_table[0]
-        allocated = int(table.num_blocks_per_row[index]) * table.block_size
-        return min(allocated, self.runner.vllm_config.model_config.max_model_len)
+        return blocks[positions_t // size].to(torch.int64) * size + positions_t % size  # [n]
 
     @staticmethod
-    def _committed_feed(index: int, tokens: list[int], start: int) -> _Feed:
+    def _committed_feed(blocks: torch.Tensor, tokens: list[int], start: int) -> _Feed:
         span = list(range(start, len(tokens)))
-        return _Feed(index, tokens[start:], span, span, len(tokens))
+        return _Feed(blocks, tokens[start:], span, span, len(tokens))
 
     @torch.inference_mode()
     def _forward(self, feeds: list[_Feed], last_only: bool | None) -> list[torch.Tensor]:
@@ -402,10 +425,10 @@ class WorkerDraftRuntime:
         if self._group is None:
             raise RuntimeError("WorkerDraftRuntime.bind must run after the runner's initialize_kv_cache")
         self.runner.tree_counts.draft_forwards += 1
-        rows = self.runner.input_batch.block_table[0].block_table.cpu[[f.batch_index for f in feeds]]  # [R, blocks]
+        rows = torch.stack([f.blocks for f in feeds])  # [R, max_blocks]
         counts = [len(f.tokens) for f in feeds]
         starts = np.concatenate([[0], np.cumsum(counts)])  # [R + 1]
-        slots = torch.cat([self._slots(f.batch_index, f.slots) for f in feeds])  # [T]
+        slots = torch.cat([self._slots(f.blocks, f.slots) for f in feeds])  # [T]
         query_start = torch.from_numpy(starts.astype(np.int32))
         seq_lens = torch.tensor([f.seq_len for f in feeds], dtype=torch.int32)  # [R]
         common = CommonAttentionMetadata(
@@ -471,6 +494,121 @@ class WorkerDraftRuntime:
         logits = logits[:, : self.vocab_size].float()
         missing = self.vocab_size - logits.shape[-1]
         return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing else logits
+
+
+class SearchDraftRuntime(WorkerDraftRuntime):
+    """The engine's draft for speculative beam searches (:mod:`vllm_specbeam.adapter.beam_search`),
+    run between engine steps through ``collective_rpc``, its K/V in blocks of its own.
+
+    A search's draft state is one per prompt (the beams' common prefix, their
+    tails as tree nodes below it), and prompts are not engine requests: vLLM's
+    pool has no blocks for them. This runtime shares the engine's loaded draft
+    (model, attention layers, metadata builder, vocabulary head) and keeps a
+    :class:`_BlockPool` of the draft's layers only, bound to those layers for
+    its forwards. Its keys are the searches' prompt keys; :meth:`remove`
+    returns their blocks.
+    """
+
+    def __init__(self, engine: WorkerDraftRuntime) -> None:
+        # the engine's loaded draft, none of its requests
+        self.__dict__.update({k: v for k, v in vars(engine).items() if k != "_requests"})
+        self._requests = {}
+        max_len = self.runner.vllm_config.model_config.max_model_len
+        self.pool = _BlockPool(self._attention, self.block_size, -(-max_len // self.block_size))
+
+    def remove(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._requests.pop(req_id, None)
+            self.pool.release(req_id)
+
+    def _blocks(self, req_id: str) -> torch.Tensor:
+        return self.pool.row(req_id)
+
+    def _capacity(self, req_id: str, needed: int) -> int:
+        return min(self.pool.reserve(req_id, needed), self.runner.vllm_config.model_config.max_model_len)
+
+    def _trusted(self, req_id: str) -> int:
+        return 0
+
+    def _moved_caches(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+        return self.pool.caches()
+
+    def _forward(self, feeds: list[_Feed], last_only: bool | None) -> list[torch.Tensor]:
+        with self.pool.bound():
+            return super()._forward(feeds, last_only)
+
+
+class _BlockPool:
+    """KV blocks for the draft's attention layers alone, outside vLLM's pool.
+
+    Block ``b`` is row ``b`` of one tensor per layer, shaped like the layer's
+    own cache (vLLM 0.32.0 CPU layout: ``[num_blocks, kv_heads, block_size,
+    2 * head_size]``). Blocks are handed out per key as it grows; the tensors
+    double when the free list runs dry (block ids stay valid) and are dropped
+    when no key holds a block, so an idle engine keeps no memory here.
+    """
+
+    def __init__(self, layers: list[torch.nn.Module], block_size: int, row_blocks: int) -> None:
+        self.layers = layers
+        self.block_size = block_size
+        self.row_blocks = row_blocks
+        self.tensors: list[torch.Tensor] = []  # per layer [num_blocks, ...]
+        self.free: list[int] = []
+        self.rows: dict[str, list[int]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensors[0].shape[0] if self.tensors else 0
+
+    def reserve(self, key: str, slots: int) -> int:
+        """Give ``key`` blocks for ``slots`` slots (at most a row's); the slots it holds."""
+        row = self.rows.setdefault(key, [])
+        missing = min(-(-slots // self.block_size), self.row_blocks) - len(row)
+        if missing > len(self.free):
+            self._grow(missing - len(self.free))
+        for _ in range(max(missing, 0)):
+            row.append(self.free.pop())
+        return len(row) * self.block_size
+
+    def row(self, key: str) -> torch.Tensor:
+        """``key``'s block ids ``[row_blocks]`` (zeros past its own, never read)."""
+        row = torch.zeros(self.row_blocks, dtype=torch.int32)
+        held = self.rows.get(key, [])
+        row[: len(held)] = torch.tensor(held, dtype=torch.int32)
+        return row
+
+    def release(self, key: str) -> None:
+        self.free += self.rows.pop(key, [])
+        if not self.rows:
+            self.tensors, self.free = [], []
+
+    def caches(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+        return list(zip(self.layers, self.tensors))
+
+    @contextlib.contextmanager
+    def bound(self) -> Iterator[None]:
+        """The layers read and write this pool's tensors (vLLM reads ``layer.kv_cache`` at each call)."""
+        engine = [layer.kv_cache for layer in self.layers]
+        for layer, tensor in zip(self.layers, self.tensors):
+            layer.kv_cache = tensor
+        try:
+            yield
+        finally:
+            for layer, kv_cache in zip(self.layers, engine):
+                layer.kv_cache = kv_cache
+
+    def _grow(self, at_least: int) -> None:
+        old = self.num_blocks
+        new = max(2 * old, old + at_least, 16)
+        grown = []
+        for layer, tensor in zip(self.layers, self.tensors or [None] * len(self.layers)):
+            template = layer.kv_cache if tensor is None else tensor
+            bigger = torch.zeros((new, *template.shape[1:]), dtype=template.dtype, device=template.device)
+            if tensor is not None:
+                bigger[:old] = tensor
+            grown.append(bigger)
+        self.tensors = grown
+        self.free = list(range(new - 1, old - 1, -1)) + self.free
 
 
 class _VocabularyHead:

@@ -44,7 +44,7 @@ from typing_extensions import override
 from vllm_specbeam.adapter import patches, tree_prompt
 from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import distinct_kv_caches, tree_step
-from vllm_specbeam.adapter.draft_model import WorkerDraftRuntime, uses_worker_draft
+from vllm_specbeam.adapter.draft_model import SearchDraftRuntime, WorkerDraftRuntime, uses_worker_draft
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.budget import StepBudget, StepCost
 from vllm_specbeam.core.config import AUTO, METHODS, SpecbeamConfig, node_cap
@@ -274,6 +274,16 @@ class TreeRunnerMixin:
         self._timed_step: TimedStep | None = None
         self._timed_steps = 0
         self._budget_logged = time.monotonic()
+
+    @functools.cached_property
+    def search_draft_runtime(self) -> SearchDraftRuntime:
+        """The draft for speculative beam searches: the engine's loaded draft, blocks of its own."""
+        if self.draft_runtime is None:
+            raise RuntimeError(
+                "vllm-specbeam: this engine has no draft inside the worker (dsbd on vLLM's CPU backend); "
+                "speculative beam search drafts in the calling process here"
+            )
+        return SearchDraftRuntime(self.draft_runtime)
 
     @property
     def tree_stats(self) -> dict[str, int | float]:

@@ -19,6 +19,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_specbeam.adapter import patches
 from vllm_specbeam.adapter.engine_config import V2_RUNNER_PROBLEM
 from vllm_specbeam.adapter.runner import tree_runner_class
+from vllm_specbeam.methods.dsbd.drafter import ForestRequest, draft_forests
 
 
 def _check_v1_runner(worker: Worker) -> None:
@@ -53,6 +54,19 @@ class _ByName:
         """``mcsd``'s labelled draft rows, for ``vllm-specbeam mcsd train`` (plain lists for the RPC)."""
         data = self.model_runner.tree_drafter.take_collected()  # type: ignore[attr-defined]
         return {"features": data.features.tolist(), "labels": data.labels.tolist(), "depths": data.depths.tolist()}
+
+    def specbeam_draft_forests(
+        self, requests: list[list[Any]], width: int, eos: int | None
+    ) -> list[list[tuple[list[int], list[int]]]]:
+        """The speculative beam search's drafting in the worker (adapter/beam_search.py): per
+        prompt ``[key, beams, scores, depth]``, per beam its tree as ``(tokens, parents)``."""
+        runtime = self.model_runner.search_draft_runtime  # type: ignore[attr-defined]
+        forests = draft_forests(runtime, [ForestRequest(*request) for request in requests], width, eos)
+        return [[(tree.tokens.tolist(), tree.parents.tolist()) for tree in trees] for trees in forests]
+
+    def specbeam_release_forests(self, keys: list[str]) -> None:
+        """Free finished searches' draft blocks."""
+        self.model_runner.search_draft_runtime.remove(keys)  # type: ignore[attr-defined]
 
 
 class TreeCPUWorker(_ByName, CPUWorker):

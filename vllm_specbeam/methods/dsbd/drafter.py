@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -44,7 +45,7 @@ from vllm_specbeam.draft_runtime.drafter import (
     draft_temperature,
     sampling_probs,
 )
-from vllm_specbeam.draft_runtime.hf import DraftModelRuntime, placement
+from vllm_specbeam.draft_runtime.hf import DraftModelRuntime, common_prefix, placement
 from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
 
 
@@ -290,6 +291,100 @@ class DraftBeamSearch(DraftBeams):
 
     def forest(self) -> BeamForest:
         return BeamForest(np.asarray(self.tokens), np.asarray(self.parents))
+
+
+@dataclass(frozen=True)
+class ForestRequest:
+    """One prompt of a speculative beam search to draft below (plain data: it crosses ``collective_rpc``)."""
+
+    #: the draft runtime's key for the prompt (its state lives across rounds until removed)
+    key: str
+    #: each target beam's tokens, prompt included
+    beams: list[list[int]]
+    #: the beams' cumulative logprobs under the target
+    scores: list[float]
+    #: depths to draft (0: none)
+    depth: int
+
+
+@torch.inference_mode()
+def draft_forests(
+    runtime: DraftRuntime, requests: Sequence[ForestRequest], width: int, eos: int | None
+) -> list[list[DraftTree]]:
+    """The speculative beam search's forests (:mod:`vllm_specbeam.adapter.beam_search`): per
+    prompt one tree per beam, from the draft's beam search over all the prompt's beams,
+    ``width`` pairs per depth, scores starting from the beams' own; an EOS candidate ends its
+    beam. The runtime keeps one state per prompt: the beams' common prefix is committed, their
+    differing tails are tree nodes below it. All prompts are drafted together, one batched
+    draft forward per depth.
+
+    Example: beams ``[p a b]`` and ``[p a c d]`` commit ``[p a]``; the tails ``[b]``, ``[c d]``
+    are nodes 0, 1, 2 with parents ``[-1, -1, 1]``, and the search starts at nodes 0 and 2.
+    """
+    starts = []
+    for request in requests:
+        common = _common_prefix_len(request.beams)
+        tails = DraftTree.from_paths(beam[common:] for beam in request.beams)
+        starts.append((request.beams[0][:common], tails, [_walk(tails, beam[common:]) for beam in request.beams]))
+    forests = [[DraftTree.empty() for _ in r.beams] for r in requests]
+    drafting = [i for i, r in enumerate(requests) if r.depth > 0]
+    # reserve: every tail node and every drafted node but the last depth's are fed after the prefix
+    at_prefix = runtime.sync_many(
+        [(requests[i].key, starts[i][0], starts[i][1].num_nodes + width * (requests[i].depth - 1)) for i in drafting]
+    )
+    drafting = [i for i, logits in zip(drafting, at_prefix) if logits is not None]  # else too long: undrafted
+    prefix_logits = {i: logits for i, logits in zip(drafting, at_prefix) if logits is not None}
+    with_tails = [i for i in drafting if starts[i][1].num_nodes]
+    extended = runtime.extend_many(
+        [(requests[i].key, starts[i][1].tokens.tolist(), starts[i][1].parents.tolist()) for i in with_tails]
+    )
+    at_tails = dict(zip(with_tails, extended))
+    searches = {}
+    for i in drafting:
+        request, (_, tails, ends) = requests[i], starts[i]
+        rows = torch.stack([prefix_logits[i] if end == ROOT else at_tails[i][end] for end in ends])
+        scores = torch.tensor(request.scores, dtype=torch.float32)
+        searches[i] = DraftBeamSearch(request.key, [width] * request.depth, rows, ends, scores, tails.num_nodes, eos)
+    draft_beams(runtime, list(searches.values()), None)
+    for i, search in searches.items():
+        forests[i] = _beam_trees(search, starts[i][2], starts[i][1].num_nodes)
+    return forests
+
+
+def _common_prefix_len(sequences: Sequence[Sequence[int]]) -> int:
+    """Length of the tokens every sequence starts with (at least the prompt)."""
+    first = list(sequences[0])
+    return min(common_prefix(first, list(s)) for s in sequences)
+
+
+def _walk(tree: DraftTree, path: Sequence[int]) -> int:
+    """The node a token path from the root ends at (``ROOT`` for an empty path)."""
+    node = ROOT
+    for token in path:
+        node = next(int(c) for c in tree.children(node) if tree.tokens[c] == token)
+    return node
+
+
+def _beam_trees(search: DraftBeamSearch, ends: list[int], first_node: int) -> list[DraftTree]:
+    """The draft's search split into one tree per target beam (the beam whose
+    end its first node hangs below), nodes weighted by their joint score."""
+    beam_of_end = {end: b for b, end in enumerate(ends)}
+    beam_of: list[int] = []
+    path_of: list[tuple[int, ...]] = []
+    for token, parent in zip(search.tokens, search.parents):
+        own = parent - first_node  # an earlier drafted node, or negative: a target beam's end
+        beam_of.append(beam_of[own] if own >= 0 else beam_of_end[parent])
+        path_of.append((path_of[own] if own >= 0 else ()) + (token,))
+    top = max(search.node_scores, default=0.0)
+    drafted: list[list[int]] = [[] for _ in ends]
+    for node, beam in enumerate(beam_of):
+        drafted[beam].append(node)
+    return [
+        DraftTree.from_weighted_paths(
+            [path_of[n] for n in nodes], [np.exp(search.node_scores[n] - top) for n in nodes], len(nodes)
+        )
+        for nodes in drafted
+    ]
 
 
 def _vocab_size(target_model: Any, tokenizer: str | None) -> int | None:
