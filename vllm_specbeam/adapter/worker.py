@@ -40,14 +40,18 @@ class _ByName:
     model_runner: GPUModelRunner
 
     def specbeam_stats(self) -> dict[str, int | float]:
-        """The runner's counters and what the drafter and the draft runtime hold now (requests
-        with state), for a server in ``VLLM_SERVER_DEV_MODE`` (``POST /collective_rpc``)."""
+        """The runner's counters and what the drafter and the draft runtimes hold now (requests
+        with state, the beam searches' draft blocks), for a server in ``VLLM_SERVER_DEV_MODE``
+        (``POST /collective_rpc``)."""
         runner = self.model_runner
         runtime = getattr(runner, "draft_runtime", None)
+        search = vars(runner).get("search_draft_runtime")  # built by the first speculative beam search
         return {
             **runner.tree_stats,  # type: ignore[attr-defined]
             "drafter_live_requests": runner.tree_drafter.live_requests,  # type: ignore[attr-defined]
             "draft_runtime_live_requests": runtime.live_requests if runtime is not None else 0,
+            "beam_search_draft_prompts": search.live_requests if search is not None else 0,
+            "beam_search_draft_blocks": search.pool.num_blocks if search is not None else 0,
         }
 
     def specbeam_take_stop_data(self) -> dict[str, list]:
