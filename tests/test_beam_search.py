@@ -218,6 +218,23 @@ def test_prefill_chunks_end_before_a_tree_or_after_it():
             assert chunks[0][0] == 0 and all(b == c for (_, b), (c, _) in itertools.pairwise(chunks))
 
 
+def test_worker_drafting_needs_no_insecure_serialization(engines, near_draft, monkeypatch):
+    """The rounds' calls into the worker carry plain lists, so a default engine (vLLM refuses
+    pickled objects unless VLLM_ALLOW_INSECURE_SERIALIZATION, which the other tests set) searches."""
+    from vllm.sampling_params import BeamSearchParams
+
+    from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch, WorkerForests
+
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    llm = engines.get(dsbd(near_draft), **ENGINE, seed=1)  # a new engine core, started without it
+    search = SpeculativeBeamSearch(llm)
+    assert isinstance(search.forests, WorkerForests)
+    prompts = make_prompts(3, seed=3)
+    params = BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True)
+    assert_same_search(search.run(prompts, params), llm.beam_search(prompts, params))
+    assert search.stats.steps_per_round > 1
+
+
 def test_draft_equal_to_target_advances_the_whole_depth(engines, tiny_model):
     from vllm.sampling_params import BeamSearchParams
 
