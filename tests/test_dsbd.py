@@ -421,3 +421,33 @@ def test_in_engine_sampled_width_one_keeps_the_targets_distribution(engines, nea
     assert after["beam_width_sum"] - before["beam_width_sum"] == after["beam_depths"] - before["beam_depths"] > 0
     reference = sample_sequences(engines.get(None), prompt, 0.8, num_samples=600)
     assert prefix_homogeneity(ours, reference) > ALPHA
+
+
+class _PromptTooLong:
+    """A draft runtime whose first prompt does not fit (``sync_many`` gives None), the others do."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def sync_many(self, requests):
+        return [None if k == 0 else torch.arange(self.vocab, dtype=torch.float32) for k in range(len(requests))]
+
+    def extend_many(self, nodes):
+        return [torch.arange(self.vocab, dtype=torch.float32).repeat(len(tokens), 1) for _, tokens, _ in nodes]
+
+    def remove(self, req_ids):
+        pass
+
+
+def test_forests_skip_a_prompt_that_does_not_fit_and_draft_the_others():
+    """The speculative beam search's drafting: a prompt the runtime cannot hold gets empty trees,
+    and the next prompt still drafts from its own logits (greedy: the top token, vocab - 1)."""
+    from vllm_specbeam.methods.dsbd.drafter import ForestRequest, draft_forests
+
+    requests = [
+        ForestRequest("a", [[1, 2, 3], [1, 2, 4]], [0.0, -1.0], 2),
+        ForestRequest("b", [[5, 6]], [0.0], 2),
+    ]
+    forests = draft_forests(_PromptTooLong(8), requests, 1, None)
+    assert [t.num_nodes for t in forests[0]] == [0, 0]
+    assert forests[1][0].tokens.tolist() == [7, 7] and forests[1][0].parents.tolist() == [-1, 0]

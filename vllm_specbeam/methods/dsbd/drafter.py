@@ -332,8 +332,9 @@ def draft_forests(
     at_prefix = runtime.sync_many(
         [(requests[i].key, starts[i][0], starts[i][1].num_nodes + width * (requests[i].depth - 1)) for i in drafting]
     )
-    drafting = [i for i, logits in zip(drafting, at_prefix) if logits is not None]  # else too long: undrafted
+    # a prompt whose tree would not fit the draft's context (None) stays undrafted
     prefix_logits = {i: logits for i, logits in zip(drafting, at_prefix) if logits is not None}
+    drafting = list(prefix_logits)
     with_tails = [i for i in drafting if starts[i][1].num_nodes]
     extended = runtime.extend_many(
         [(requests[i].key, starts[i][1].tokens.tolist(), starts[i][1].parents.tolist()) for i in with_tails]
