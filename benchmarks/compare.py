@@ -157,6 +157,8 @@ class Setting:
     beam_width: int | None = None
     #: with ``beam_width``: the plugin's speculative beam search instead of vLLM's
     speculative: bool = False
+    #: the speculative beam search's draft depth (None: the engine's ``num_speculative_tokens``)
+    beam_depth: int | None = None
 
 
 @dataclass
@@ -301,8 +303,15 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted):
             status[SPEC_BEAM] = MethodStatus("plugin")
             beam_settings = [
-                Setting(f"w{w}", {"beam_width": w}, beam_width=w, speculative=True)
+                Setting(
+                    f"w{w}" if d is None else f"w{w}-d{d}",
+                    {"beam_width": w} if d is None else {"beam_width": w, "depth": d},
+                    beam_width=w,
+                    speculative=True,
+                    beam_depth=d,
+                )
                 for w in args.beam_widths or BEAM_GRID[args.sweep]
+                for d in args.beam_depths or [None]
             ]
             engines.append(
                 EngineSpec(
@@ -465,21 +474,18 @@ def worker(job_path: Path) -> None:
                 {key: tree.pop(key) for key in ("step_cost_intercept_s", "step_cost_per_row_s") if key in tree}
             )
             values.update({f"tree_{key}": value for key, value in tree.items()})
-        if speculative_search.cache_info().currsize:
-            stats = speculative_search().stats  # rounds are target passes; steps are tokens per beam
-            values.update(
-                beam_rounds=stats.prompt_rounds, beam_steps=stats.steps, beam_draft_seconds=stats.draft_seconds
-            )
+        searches = [speculative_search(s["beam_depth"]) for s in job["settings"] if s["speculative"]]
+        for search in {id(s): s for s in searches}.values():  # rounds are target passes; steps tokens per beam
+            values["beam_rounds"] = values.get("beam_rounds", 0) + search.stats.prompt_rounds
+            values["beam_steps"] = values.get("beam_steps", 0) + search.stats.steps
+            values["beam_draft_seconds"] = values.get("beam_draft_seconds", 0.0) + search.stats.draft_seconds
         return values
 
     @functools.cache
-    def speculative_search() -> Any:
+    def speculative_search(depth: int | None) -> Any:
         from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
 
-        return SpeculativeBeamSearch(llm)
-
-    if any(setting["speculative"] for setting in job["settings"]):
-        speculative_search()  # loads the draft model before the clock runs
+        return SpeculativeBeamSearch(llm, num_speculative_tokens=depth)
 
     def run(setting: dict[str, Any], batch_size: int, temperature: float) -> list[list[int]]:
         """All prompts, at most ``batch_size`` requests in flight at a time."""
@@ -488,7 +494,7 @@ def worker(job_path: Path) -> None:
             indices = range(first, min(first + batch_size, len(token_prompts)))
             if setting["beam_width"]:
                 params = BeamSearchParams(beam_width=setting["beam_width"], max_tokens=max_tokens, ignore_eos=True)
-                search = speculative_search().run if setting["speculative"] else llm.beam_search
+                search = speculative_search(setting["beam_depth"]).run if setting["speculative"] else llm.beam_search
                 for index, result in zip(indices, search([token_prompts[i] for i in indices], params)):
                     outputs.append(list(result.sequences[0].tokens[len(prompt_ids[index]) :]))
                 continue
@@ -794,7 +800,12 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "scenarios": scenarios_of(engine),
             "settings": [
-                {"extra_args": s.extra_args, "beam_width": s.beam_width, "speculative": s.speculative}
+                {
+                    "extra_args": s.extra_args,
+                    "beam_width": s.beam_width,
+                    "speculative": s.speculative,
+                    "beam_depth": s.beam_depth,
+                }
                 for s in engine.settings
             ],
             "score_outputs": scores,
@@ -1035,7 +1046,7 @@ def assemble(
                 }
             )
     reference = {(r["batch_size"], r["temperature"]): r for r in runs if r["method"] == "none"}
-    beams = {(r["batch_size"], r["setting_label"]): r for r in runs if r["method"] == "beam_search"}
+    beams = {(r["batch_size"], r["beam_width"]): r for r in runs if r["method"] == "beam_search"}
     for run in runs:
         base = reference[(run["batch_size"], run["temperature"])]
         run["speedup"] = metrics.ratio(run["tokens_per_s"], base["tokens_per_s"])
@@ -1045,7 +1056,7 @@ def assemble(
         if run["method"] == "beam_search":
             run["speedup_vs_beam_search"] = 1.0
         elif run["method"] == SPEC_BEAM:
-            beam = beams.get((run["batch_size"], run["setting_label"]))
+            beam = beams.get((run["batch_size"], run["beam_width"]))  # the same width, any draft depth
             if beam is not None:
                 run["exact_match"] = metrics.exact_match(run["outputs"], beam["outputs"])
                 run["speedup_vs_beam_search"] = metrics.ratio(run["tokens_per_s"], beam["tokens_per_s"])
@@ -1105,6 +1116,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--beam-widths", type=int, nargs="+", default=None, help="beam search widths (default: the sweep's)"
+    )
+    parser.add_argument(
+        "--beam-depths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the speculative beam search's draft depths, each a setting (default: the engine's depth)",
     )
     parser.add_argument("--dtype", default="float32", help="float32 is faster than bfloat16 on CPUs without bf16")
     parser.add_argument(

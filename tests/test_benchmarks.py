@@ -248,6 +248,7 @@ def plan_args(**kwargs) -> argparse.Namespace:
         "draft_vocab_path": None,
         "draft_dtype": "auto",
         "beam_widths": None,
+        "beam_depths": None,
     }
     return argparse.Namespace(**{**defaults, **kwargs})
 
@@ -298,6 +299,15 @@ def test_plan_follows_plugin_methods(monkeypatch):
     )
     assert [e.id for e in engines] == [compare.SPEC_BEAM, "beam_search", "none"] and "dsbd" not in status
     assert engines[0].speculative_config["draft_dtype"] == "bfloat16"
+    assert [s.beam_depth for s in engines[0].settings] == [None, None]  # the engine's depth
+    # draft depths of the speculative search: one setting per width and depth, vLLM's widths unchanged
+    _, engines = compare.plan(
+        plan_args(draft="d", draft_path="/d", beam_depths=[3, 5], methods=["none", compare.SPEC_BEAM, "beam_search"])
+    )
+    assert [(s.label, s.beam_width, s.beam_depth) for s in engines[0].settings] == [
+        ("w2-d3", 2, 3), ("w2-d5", 2, 5), ("w4-d3", 4, 3), ("w4-d5", 4, 5)
+    ]  # fmt: skip
+    assert [s.label for s in engines[1].settings] == ["w2", "w4"]
     # in-engine dsbd beside its chain (max_width 1 at draft_model's K): no beam search unless named
     status, engines = compare.plan(
         plan_args(draft="d", draft_path="/d", methods=["none", "draft_model", "dsbd", compare.DSBD_CHAIN])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_prompts
-from test_draft_model import count_forwards
+from reference_draft import ReferenceDraftRuntime
 
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import DraftTree
@@ -165,7 +165,7 @@ def make_drafter(draft: str, **options: object) -> DsbdDrafter:
     defaults = {name: option.default for name, option in DsbdDrafter.OPTIONS.items()}
     full = {**defaults, "num_speculative_tokens": 3, "max_nodes": 12, "draft_model": draft, **options}
     drafter = DsbdDrafter(full)
-    drafter.load_model(None)
+    drafter.use_runtime(ReferenceDraftRuntime(draft))
     return drafter
 
 
@@ -286,12 +286,10 @@ def draft_row(model: torch.nn.Module, request: DraftRequest, tokens: list[int]) 
     return sampling_probs(logits, request.temperature, options["top_k"], options["top_p"])[0].numpy()
 
 
-def test_greedy_forests_of_a_batch_equal_one_at_a_time(
-    models: tuple[str, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_greedy_forests_of_a_batch_equal_one_at_a_time(models: tuple[str, torch.nn.Module]) -> None:
     draft, _ = models
     together, alone = make_drafter(draft), make_drafter(draft)
-    forwards = count_forwards(together.runtime, monkeypatch)
+    forwards = together.runtime.batches  # requests per draft call (one forward each in the engine)
     greedy = {"x": 0.0, "y": 0.0, "z": 0.0}
     for extra in (0, 3):  # a second step: caches rolled back and extended
         del forwards[:]
@@ -305,15 +303,13 @@ def test_greedy_forests_of_a_batch_equal_one_at_a_time(
             assert forest.max_depth == request.options["num_speculative_tokens"]
 
 
-def test_sampled_forests_of_a_batch_draw_from_the_draft_model(
-    models: tuple[str, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_sampled_forests_of_a_batch_draw_from_the_draft_model(models: tuple[str, torch.nn.Module]) -> None:
     """Mixed sampled and greedy requests in one batch: every draft row is the
     draft model's distribution at the node's parent, encoded from scratch."""
     draft, _ = models
     temperatures = {"x": 0.7, "y": 0.0, "z": 1.3}
     drafter = make_drafter(draft, seed=5)
-    forwards = count_forwards(drafter.runtime, monkeypatch)
+    forwards = drafter.runtime.batches
     forests = dict(zip(temperatures, drafter.propose(batch(drafter, temperatures))))
     assert forwards == [3, 3, 2, 1]
     model = drafter.runtime.model

@@ -28,7 +28,7 @@ from vllm.v1.attention.backends import triton_attn
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm_kernels import import_vllm_triton_module
 
-from vllm_specbeam.adapter import engine_config, plugin
+from vllm_specbeam.adapter import draft_model, engine_config, plugin
 from vllm_specbeam.adapter.attention import cuda as gpu_attention
 from vllm_specbeam.adapter.attention.step import masked_rows, tree_step
 from vllm_specbeam.adapter.runner import TreeCounts, TreeRunnerMixin
@@ -415,3 +415,130 @@ def test_layers_without_the_tree_backend_or_with_alibi_are_refused():
     )  # fmt: skip
     with pytest.raises(ValueError, match="does not support ALiBi, logit soft-capping"):
         gpu_attention.check_tree_backend([alibi])
+
+
+# ------------------------------------------- (d) the in-worker draft model on CUDA
+def cuda_draft_runtime(**attributes) -> draft_model.WorkerDraftRuntime:
+    """The engine's draft runtime as the CUDA worker would hold it (no model: the attention-side parts),
+    its tensors on this CPU."""
+    runtime = object.__new__(draft_model.WorkerDraftRuntime)
+    runtime.device, runtime.on_cuda = torch.device("cpu"), True
+    vars(runtime).update(attributes)
+    return runtime
+
+
+def feed(context: int, slots: list[int], visible: list[list[int]] | None) -> draft_model._Feed:
+    """Rows at ``slots`` of a request whose committed context is ``context`` tokens."""
+    return draft_model._Feed(torch.zeros(8, dtype=torch.int32), [0] * len(slots), slots, slots, slots[-1] + 1,
+                             visible, context)  # fmt: skip
+
+
+#: one draft forward: per request its feed and the keys each row must see (independent of the runtime)
+DRAFT_FEEDS = [
+    # depth 2 of a tree after 37 committed tokens (root in slot 36): depth-1 nodes in slots 37, 38,
+    # depth-2 nodes now in 39 (under 38), 40 (under 37), 41 (under 38)
+    (feed(37, [39, 40, 41], [[38, 39], [37, 40], [38, 41]]),
+     [[*range(37), 38, 39], [*range(37), 37, 40], [*range(37), 38, 41]]),
+    # committed tokens fed causally (a request catching up): no mask bits
+    (feed(16, [16, 17, 18], None), [[*range(17)], [*range(18)], [*range(19)]]),
+    # depth 1 of a star after 20 tokens: siblings must not see each other
+    (feed(20, [20, 21, 22], [[20], [21], [22]]), [[*range(20), 20], [*range(20), 21], [*range(20), 22]]),
+    # depth 3 of a chain 70 nodes deep into a wide window (two mask words)
+    (feed(5, [77], [[*range(5, 78, 2)]]), [[*range(5), *range(5, 78, 2)]]),
+]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+def test_draft_tree_depth_sees_its_context_and_ancestors_through_the_cuda_backend(vllm_triton):
+    """The runtime's step for a draft depth (``tree_base`` at the committed context) through the
+    backend's forward: every row equals attention over exactly its keys, gathered by hand."""
+    feeds = [f for f, _ in DRAFT_FEEDS]
+    counts = [len(f.tokens) for f in feeds]
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    step = cuda_draft_runtime()._tree_step(feeds, starts)
+    assert isinstance(step, gpu_attention.GpuTreeStep) and step.needs_attention
+    assert step.tree_base.tolist() == [37, 16, 20, 5]  # the causal request's: seq_len - query_len
+    assert step.tree_mask.shape == (sum(counts), 2)
+    assert not step.tree_mask[3:6].any()  # the causal feed's rows
+
+    gen = torch.Generator().manual_seed(5)
+    pages = [-(-f.seq_len // BLOCK_SIZE) for f in feeds]
+    num_blocks = sum(pages) + 1
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(len(feeds), max(pages), dtype=torch.int32)
+    for r, offset in enumerate(np.cumsum([0, *pages[:-1]])):
+        block_table[r, : pages[r]] = perm[offset : offset + pages[r]].int()
+    # every earlier slot (context, earlier depths) holds K/V already; vLLM's LBNHC layout
+    kv_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=gen).half().transpose(1, 2)
+    slot_mapping = torch.cat(
+        [token_slots(block_table[r], torch.tensor(f.slots), BLOCK_SIZE) for r, f in enumerate(feeds)]
+    )
+    num_tokens, num_heads = sum(counts), NUM_KV_HEADS * GROUP
+    metadata = triton_attn.TritonAttentionMetadata(
+        num_actual_tokens=num_tokens, max_query_len=max(counts),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), max_seq_len=max(f.seq_len for f in feeds),
+        seq_lens=torch.tensor([f.seq_len for f in feeds], dtype=torch.int32), block_table=block_table,
+        slot_mapping=slot_mapping, seq_threshold_3D=triton_attn.MIN_LAUNCH_GRID_SIZE_2D // NUM_KV_HEADS,
+        num_par_softmax_segments=triton_attn.NUM_PAR_SOFTMAX_SEGMENTS,
+        softmax_segm_output=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, HEAD_SIZE),
+        softmax_segm_max=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS),
+        softmax_segm_expsum=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS), causal=True,
+    )  # fmt: skip
+    layer = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
+    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).half()
+    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).half()
+    q = torch.randn(num_tokens, num_heads, HEAD_SIZE, generator=gen).half()
+    impl = make_impl(gpu_attention.TreeTritonAttentionImpl)
+    out, stock = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    with tree_step(step):
+        impl.forward(layer, q, key, value, kv_cache, metadata, out)  # writes this depth's K/V, then attends
+    make_impl(triton_attn.TritonAttentionImpl).forward(layer, q, key, value, kv_cache, metadata, stock)
+
+    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
+    row = 0
+    for r, (_, keys_of_rows) in enumerate(DRAFT_FEEDS):
+        for keys in keys_of_rows:
+            slots = token_slots(block_table[r], torch.tensor(keys), BLOCK_SIZE)
+            k = key_cache.flatten(0, 1)[slots].float().repeat_interleave(GROUP, dim=1)  # [keys, heads, D]
+            v = value_cache.flatten(0, 1)[slots].float().repeat_interleave(GROUP, dim=1)
+            probs = torch.softmax(torch.einsum("hd,khd->hk", q[row].float(), k) * HEAD_SIZE**-0.5, dim=-1)
+            torch.testing.assert_close(out[row].float(), torch.einsum("hk,khd->hd", probs, v), **FP16)
+            row += 1
+    # causal rows are vLLM's; the star's siblings and the depth-2 rows are not (the test has teeth)
+    torch.testing.assert_close(out[3:6], stock[3:6], **FP16)
+    assert (out[6:9].float() - stock[6:9].float()).abs().amax() > 0.05
+    assert (out[:3].float() - stock[:3].float()).abs().amax() > 0.05
+
+
+def test_draft_moves_accepted_kv_with_the_kernel_on_cuda():
+    """An accepted path of last round's draft tree: its nodes' K/V moved to their committed slots
+    in every draft layer by one ``kv_move`` launch (the runtime's ``_keep_accepted`` on CUDA)."""
+    gen = torch.Generator().manual_seed(6)
+    caches = [torch.randn(4, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=gen).half().transpose(1, 2)
+              for _ in range(2)]  # fmt: skip
+    blocks = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    runtime = cuda_draft_runtime(_kv_layers=[(None, c) for c in caches],
+                                 runner=SimpleNamespace(tree_counts=TreeCounts()))  # fmt: skip
+    runtime._moved_caches = lambda: runtime._kv_layers
+    runtime._blocks = lambda req_id: blocks
+    runtime.runner.input_batch = SimpleNamespace(block_table=[SimpleNamespace(block_size=BLOCK_SIZE)])
+    # root at slot 14 (length 15); nodes a, b, c in slots 15, 16, 17 with parents [-1, -1, 1]:
+    # the target committed b c x, so b, c move from 16, 17 to 15, 16
+    request = draft_model._Request(valid=15, length=15, tokens=[7, 8, 9], parents=[-1, -1, 1], depths=[1, 1, 2])
+    expected = [c.clone() for c in caches]
+    src = token_slots(blocks, torch.tensor([16, 17]), BLOCK_SIZE)
+    kv_move_ref(expected, src, token_slots(blocks, torch.tensor([15, 16]), BLOCK_SIZE))
+    runtime._keep_accepted(request, blocks, [8, 9, 5])
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got, want)
+    assert request.valid == 17 and runtime.runner.tree_counts.draft_kv_moves == 2
+
+
+def test_search_pool_blocks_keep_the_engine_cache_layout():
+    """The beam search's own draft blocks are laid out in memory as vLLM's cache is (here LBNHC)."""
+    engine = torch.zeros(5, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE).transpose(1, 2)  # logical [B, H, N, 2D]
+    blocks = draft_model._blocks_like(engine, 9)
+    assert blocks.shape == (9, *engine.shape[1:])
+    assert blocks.stride() == (BLOCK_SIZE * NUM_KV_HEADS * 2 * HEAD_SIZE, *engine.stride()[1:])
+    contiguous = torch.zeros(5, 3, 4)
+    assert draft_model._blocks_like(contiguous, 2).stride() == torch.zeros(2, 3, 4).stride()

@@ -93,19 +93,20 @@ class Batch:
     tree_mask: torch.Tensor
     scale: float
     max_query_len: int
+    tree_base: torch.Tensor | None = None
 
     def run(self, tree_mask: torch.Tensor | str | None = "same") -> torch.Tensor:
         mask = self.tree_mask if isinstance(tree_mask, str) else tree_mask
         return ta_mod.tree_attention(
             self.q, self.key_cache, self.value_cache, self.block_table, self.query_start_loc,
-            self.seq_lens, mask, self.scale, self.max_query_len,
+            self.seq_lens, mask, self.scale, self.max_query_len, tree_base=self.tree_base,
         )  # fmt: skip
 
     def reference(self) -> torch.Tensor:
         out = torch.zeros(self.q.shape, dtype=torch.float32, device=self.q.device)
         return tree_attention_ref(
             self.q, self.key_cache, self.value_cache, self.block_table, self.query_start_loc,
-            self.seq_lens, self.tree_mask, self.scale, out,
+            self.seq_lens, self.tree_mask, self.scale, out, tree_base=self.tree_base,
         )  # fmt: skip
 
 
@@ -186,6 +187,74 @@ def mixed_requests(seed: int) -> list[tuple[int, object]]:
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+
+
+def draft_depth_rows(rng: np.random.Generator, level_sizes: list[int]) -> np.ndarray:
+    """Window bits ``[level_sizes[-1], sum(level_sizes)]`` of a draft's last-depth forward.
+
+    The window holds the nodes of depths 1, 2, ... in order (the root is the
+    last committed token, before the window); the rows are the deepest nodes,
+    each seeing its ancestors and itself.
+    """
+    starts = np.cumsum([0, *level_sizes])
+    parents = [-1] * level_sizes[0]
+    for d in range(1, len(level_sizes)):
+        parents += [int(rng.integers(starts[d - 1], starts[d])) for _ in range(level_sizes[d])]
+    window = int(starts[-1])
+    mask = np.eye(window, dtype=bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            mask[node] |= mask[parent]
+    return mask[window - level_sizes[-1] :]
+
+
+def tree_base_batch(dtype: torch.dtype, seed: int) -> tuple[Batch, list[list[list[int]]]]:
+    """A mixed batch with tree windows starting before the context end.
+
+    Returns it with, per request and row, the explicit list of key positions
+    the row may see, built from the rule directly (not from the packed words).
+    """
+    rng = np.random.default_rng(seed)
+    depth3 = draft_depth_rows(rng, [3, 4, 5])  # window 12 keys, 5 rows
+    wide = draft_depth_rows(rng, [8, 24, 30, 6])  # window 68 keys: two words
+    # A depth's rows plus a causal row in one program: they share a dense prefix.
+    with_causal = np.zeros((4, 8), dtype=bool)
+    with_causal[:3, :7] = draft_depth_rows(rng, [4, 3])
+    tree = random_tree(rng, 6, "wide")
+    # (committed context, window rows or segment, tree_base); context_len = seq_len - query_len.
+    specs = [
+        (21, depth3, 21),  # base crosses a page; the window crosses the next
+        (16, 3, 5),  # plain causal rows: tree_base must not matter
+        (37, tree, 37),  # tree_base = context_len: the old rule
+        (40, wide, 40),
+        (9, with_causal, 9),
+        (9, 0, 3),  # scheduled but no rows this step
+    ]
+    requests, bases, windows = [], [], []
+    for committed, seg, base in specs:
+        if isinstance(seg, np.ndarray):
+            windows.append(seg)
+            requests.append((committed + seg.shape[1] - len(seg), len(seg)))
+        else:
+            windows.append(None if isinstance(seg, int) else seg.ancestor_mask)
+            requests.append((committed, seg))
+        bases.append(base)
+    batch = make_batch(requests, num_kv_heads=2, group=2, dtype=dtype, seed=seed, num_words=2)
+    batch.tree_base = torch.tensor(bases, dtype=torch.int32, device=DEVICE)
+    starts = batch.query_start_loc.tolist()
+    visible = []
+    for r, ((context_len, _), base, window) in enumerate(zip(requests, bases, windows)):
+        if window is not None:
+            batch.tree_mask[starts[r] : starts[r + 1]] = torch.from_numpy(pack_ancestor_mask(window, 2))
+        rows = []
+        for row in range(starts[r + 1] - starts[r]):
+            if window is None or not window[row].any():
+                rows.append(list(range(context_len + row + 1)))
+            else:
+                rows.append(list(range(base)) + [base + j for j in np.flatnonzero(window[row])])
+        visible.append(rows)
+    assert bool((batch.tree_mask[:, 1] != 0).any()) and bool((batch.tree_mask[:, 0] < 0).any())
+    return batch, visible
 
 
 # -------------------------------------------------------------------- tests
@@ -327,6 +396,39 @@ def test_padding_rows_and_empty_batches():
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_base_matches_reference(dtype):
+    batch, _ = tree_base_batch(dtype, seed=21)
+    assert_close(batch.run(), batch.reference(), dtype)
+
+
+def test_tree_base_matches_explicit_key_lists():
+    """Independent of allowed_keys: gather each row's listed keys by hand, softmax."""
+    batch, visible = tree_base_batch(torch.float16, seed=22)
+    group = batch.q.shape[1] // batch.key_cache.shape[2]
+    starts = batch.query_start_loc.tolist()
+    expected = torch.zeros(batch.q.shape, dtype=torch.float32)
+    for r, rows in enumerate(visible):
+        for row, keys in enumerate(rows):
+            pos = torch.tensor(keys)
+            blocks = batch.block_table[r, pos // 16].long()
+            k = batch.key_cache[blocks, pos % 16].float().repeat_interleave(group, dim=1)  # [n, heads, D]
+            v = batch.value_cache[blocks, pos % 16].float().repeat_interleave(group, dim=1)
+            q = batch.q[starts[r] + row].float()  # [heads, D]
+            probs = (torch.einsum("hd,nhd->hn", q, k) * batch.scale).softmax(-1)
+            expected[starts[r] + row] = torch.einsum("hn,nhd->hd", probs, v)
+    assert_close(batch.run(), expected, torch.float16)
+    assert_close(batch.reference(), expected, torch.float16)
+
+
+def test_tree_base_none_is_bitwise_the_context_end():
+    batch = make_batch(mixed_requests(seed=3), group=2, seed=3)
+    default = batch.run()
+    batch.tree_base = batch.seq_lens - (batch.query_start_loc[1:] - batch.query_start_loc[:-1])
+    assert batch.tree_base.dtype == torch.int32
+    assert torch.equal(batch.run(), default)
+
+
 def test_topology_format():
     tree = DraftTree(np.array([5, 6, 7, 8]), np.array([-1, 0, -1, 1]))  # rows 1..4
     words = build_tree_mask([tree, 3, forest_ancestor_mask([-1, -1, 0])])
@@ -340,6 +442,14 @@ def test_topology_format():
     assert packed[63, 0].item() == -1  # all 64 bits set, sign bit included
     with pytest.raises(ValueError):
         build_tree_mask([np.zeros((2, 2), dtype=bool)])  # a tree row must see something
+    # reference.py's example: a draft's depth-2 forward, nodes in slots 12, 13
+    # (parents in 10 and 11), tree_base 10.
+    depth2 = torch.tensor([[0b101], [0b1010]])
+    seen = allowed_keys(depth2, context_len=12, tree_base=10)
+    assert seen[1].nonzero().flatten().tolist() == [*range(10), 11, 13]
+    assert seen[0].nonzero().flatten().tolist() == [*range(10), 10, 12]
+    with pytest.raises(ValueError):
+        allowed_keys(depth2, context_len=12, tree_base=13)  # the rows' own keys must be in the window
 
 
 # ------------------------------------------------------- compile for GPUs
@@ -372,15 +482,16 @@ _AOT_SCRIPT = textwrap.dedent(
 
     ta = tree_attention._tree_attention_kernel
     strides = [a for a in ta.arg_names if a.startswith("stride") and a not in ("stride_bt_req", "stride_tm_row")]
-    for dt, arch, d, qpkv, block_q, tile_n, warps in [
-        ("fp16", 80, 128, 4, 16, 32, 8), ("bf16", 90, 256, 8, 4, 16, 8), ("fp16", 80, 64, 1, 64, 32, 4),
+    for dt, arch, d, qpkv, block_q, tile_n, warps, base in [
+        ("fp16", 80, 128, 4, 16, 32, 8, False), ("bf16", 90, 256, 8, 4, 16, 8, True),
+        ("fp16", 80, 64, 1, 64, 32, 4, True),
     ]:
         types = {"q_ptr": "*" + dt, "k_cache_ptr": "*" + dt, "v_cache_ptr": "*" + dt, "out_ptr": "*" + dt,
                  "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "tree_mask_ptr": "*i64", "qk_scale": "fp32", "_aligned": strides,
+                 "tree_base_ptr": "*i32", "tree_mask_ptr": "*i64", "qk_scale": "fp32", "_aligned": strides,
                  **{a: "i32" for a in ta.arg_names if a.startswith("stride")}}
         const = dict(QPKV=qpkv, QPKV_PAD=qpkv, HEAD_SIZE=d, HEAD_SIZE_PAD=d, BLOCK_SIZE=16, BLOCK_Q=block_q,
-                     TILE_N=tile_n, NUM_WORDS=2, DOT_IN_FP32=False)
+                     TILE_N=tile_n, NUM_WORDS=2, HAS_TREE_BASE=base, DOT_IN_FP32=False)
         compile_one(ta, types, const, arch, warps, f"tree_attention_{dt}_sm{arch}_d{d}_g{qpkv}")
     km = kv_move._kv_move_kernel
     types = {"layer_ptrs": "*i64", "src_slots_ptr": "*i64", "dst_slots_ptr": "*i64", "cu_moves_ptr": "*i64",

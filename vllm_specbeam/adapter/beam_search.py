@@ -14,10 +14,9 @@ but a round advances up to ``num_speculative_tokens + 1`` tokens:
    (:func:`~vllm_specbeam.methods.dsbd.drafter.draft_forests`). The draft
    keeps one state per prompt: the beams' common prefix is encoded once and
    their differing tails are tree nodes below it; all prompts are drafted
-   together, one batched draft forward per depth. On vLLM's CPU backend
-   this runs in the engine's worker on the draft vLLM loaded for ``dsbd``
-   (:class:`WorkerForests`, one ``collective_rpc`` a round); on CUDA in this
-   process with a Hugging Face copy of the draft (:class:`LocalForests`).
+   together, one batched draft forward per depth. This runs in the engine's
+   worker on the draft vLLM loaded for ``dsbd`` (:class:`WorkerForests`, one
+   ``collective_rpc`` a round): no copy of the draft in this process.
 2. **Score.** Every beam of every prompt is submitted once with its tree
    appended (:mod:`vllm_specbeam.adapter.tree_prompt`): one target pass scores the
    whole forest, and the beams share their prompt's KV blocks through vLLM's
@@ -45,9 +44,7 @@ draft; ``num_speculative_tokens`` the draft depth)::
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -57,12 +54,10 @@ from typing import Any
 import numpy as np
 
 from vllm_specbeam.adapter import tree_prompt
-from vllm_specbeam.adapter.draft_model import uses_worker_draft
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT, DraftTree
-from vllm_specbeam.draft_runtime.hf import DraftModelRuntime, placement
-from vllm_specbeam.methods.dsbd.drafter import ForestRequest, draft_forests
+from vllm_specbeam.methods.dsbd.drafter import ForestRequest
 
 _SEARCH_IDS = itertools.count()
 
@@ -206,7 +201,7 @@ class PromptSearch:
 
 
 class WorkerForests:
-    """Forests drafted by the engine's own draft, in its worker (vLLM's CPU backend).
+    """Forests drafted by the engine's own draft, in its worker.
 
     Each round is one ``collective_rpc`` (``specbeam_draft_forests``, run
     between engine steps) with plain data both ways; the draft's state per
@@ -241,48 +236,9 @@ class WorkerForests:
         await self.engine.collective_rpc("specbeam_release_forests", args=(keys,))
 
 
-class LocalForests:
-    """Forests drafted in this process by the Hugging Face runtime (CUDA engines, whose
-    workers do not run the draft yet): a second copy of the draft, loaded here."""
-
-    def __init__(self, vllm_config: Any, options: dict[str, Any]) -> None:
-        device, dtype = placement(
-            options["draft_device"],
-            options["draft_dtype"],
-            vllm_config.device_config.device,
-            vllm_config.model_config.dtype,
-        )
-        self.runtime = DraftModelRuntime(
-            options["draft_model"],
-            target_vocab_size=vllm_config.model_config.get_vocab_size(),
-            device=device,
-            dtype=dtype,
-        )
-        #: one search drafts at a time: the server runs concurrent searches' drafts in threads
-        self._lock = threading.Lock()
-
-    def draft(self, requests: list[ForestRequest], width: int, eos: int | None) -> list[list[DraftTree]]:
-        with self._lock:
-            return draft_forests(self.runtime, requests, width, eos)
-
-    async def draft_async(self, requests: list[ForestRequest], width: int, eos: int | None) -> list[list[DraftTree]]:
-        return await asyncio.to_thread(self.draft, requests, width, eos)
-
-    def release(self, keys: list[str]) -> None:
-        with self._lock:
-            self.runtime.remove(keys)
-
-    async def release_async(self, keys: list[str]) -> None:
-        await asyncio.to_thread(self.release, keys)
-
-
 class SpeculativeBeamSearch:
-    """Draft and options for :func:`beam_search` on one engine.
-
-    On vLLM's CPU backend the engine's own draft drafts, in its worker
-    (:class:`WorkerForests`); elsewhere the draft is loaded once in this
-    process (:class:`LocalForests`).
-    """
+    """Draft and options for :func:`beam_search` on one engine (the engine's own draft drafts,
+    in its worker: :class:`WorkerForests`)."""
 
     def __init__(self, engine: Any, num_speculative_tokens: int | None = None, draft_width: int | None = None) -> None:
         """``engine``: an ``LLM`` (for :meth:`run`) or the server's engine client
@@ -297,11 +253,7 @@ class SpeculativeBeamSearch:
         self.draft_width = draft_width
         if self.depth < 1 or (draft_width is not None and draft_width < 1):
             raise ValueError("num_speculative_tokens and draft_width must be at least 1")
-        self.forests: WorkerForests | LocalForests = (
-            WorkerForests(engine)
-            if uses_worker_draft(plugin_config(vllm_config))
-            else LocalForests(vllm_config, options)
-        )
+        self.forests = WorkerForests(engine)
         self.stats = BeamSearchStats()
         #: prompt keys unique across searches and processes (the worker holds their drafts' state)
         self._keys = f"beam-search-{uuid.uuid4().hex[:12]}"

@@ -15,19 +15,14 @@ that the server's default temperature is 1), prompts that are not plain
 tokens (embeddings, multimodal, encoder-decoder), and any request on an
 engine that cannot run the speculative search (logged once, with the reason).
 
-On vLLM's CPU backend the engine's own draft drafts each round in its worker
-(``collective_rpc``, awaited: the event loop keeps serving). Elsewhere the
-draft model is loaded in the API server's process on the first such request
-(the engine's workers keep their own copy for in-engine ``dsbd``); loading
-and drafting then run in a worker thread, and concurrent searches draft one
-at a time.
+The engine's own draft drafts each round in its worker (``collective_rpc``,
+awaited: the event loop keeps serving); the API server holds no draft.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -37,7 +32,6 @@ from vllm_specbeam.adapter.engine_config import plugin_config
 logger = logging.getLogger(__name__)
 
 _searches: dict[int, SpeculativeBeamSearch] = {}
-_searches_lock = threading.Lock()
 _reported: set[str] = set()
 
 
@@ -74,10 +68,9 @@ def patch(stock: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., Asyn
 
 
 def _search_for(engine_client: Any) -> SpeculativeBeamSearch:
-    with _searches_lock:
-        if id(engine_client) not in _searches:
-            _searches[id(engine_client)] = SpeculativeBeamSearch(engine_client)
-        return _searches[id(engine_client)]
+    if id(engine_client) not in _searches:  # cheap (no model to load), on the event loop
+        _searches[id(engine_client)] = SpeculativeBeamSearch(engine_client)
+    return _searches[id(engine_client)]
 
 
 async def beam_search(
@@ -97,7 +90,7 @@ async def beam_search(
 
     engine = serving.engine_client
     engine.input_processor.resolve_watermarking(params)
-    search = await asyncio.to_thread(_search_for, engine)
+    search = _search_for(engine)
     selection = Selection.server(params, serving.renderer.get_tokenizer().eos_token_id)
     inst = PromptSearch(BeamSearchInstance(prompt, lora_request=lora_request), f"server-{request_id}-{random_uuid()}")
     try:

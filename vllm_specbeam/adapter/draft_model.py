@@ -1,4 +1,4 @@
-"""The draft model inside vLLM's worker (CPU): loaded by vLLM, its K/V in vLLM's paged cache.
+"""The draft model inside vLLM's worker: loaded by vLLM, its K/V in vLLM's paged cache.
 
 Verified design: docs/draft-runtime.md. In short (vLLM 0.32.0):
 
@@ -17,8 +17,11 @@ Verified design: docs/draft-runtime.md. In short (vLLM 0.32.0):
   target's). A round's tree nodes take scratch slots after the last committed
   token (``root + 1 + i`` for the ``i``-th node fed), never derived from their
   RoPE position ``context - 1 + depth``; each depth is one forward whose rows
-  get the ancestor-only mask from the CPU tree attention
-  (:class:`~vllm_specbeam.adapter.attention.cpu.TreeStep`). The scheduler
+  get the ancestor-only mask from the plugin's tree attention: on CPU a
+  :class:`~vllm_specbeam.adapter.attention.cpu.TreeStep`, on CUDA a
+  :class:`~vllm_specbeam.adapter.attention.cuda.GpuTreeStep` whose mask bits
+  count keys from the committed context on (the kernel's ``tree_base``), so
+  they reach the ancestors earlier depths wrote. The scheduler
   reserves those slots: :func:`lookahead` raises
   ``VllmConfig.num_lookahead_tokens`` for plugin draft-model methods.
 - **Accepted nodes keep their K/V; rollback is free.** A sync first walks
@@ -38,9 +41,8 @@ Verified design: docs/draft-runtime.md. In short (vLLM 0.32.0):
   runs after each step's sampling. A new request then trusts the draft's K/V up
   to its prefix hit (``num_computed_tokens``).
 
-CPU only: on CUDA the plugin's draft-model methods keep the Hugging Face
-runtime (:mod:`vllm_specbeam.draft_runtime.hf`) until the CUDA tree backend is
-checked with draft layers.
+The drafters sample and search on the host: each forward's logits come back
+to the host (one copy per forward; on CPU nothing moves).
 """
 
 from __future__ import annotations
@@ -54,12 +56,18 @@ import numpy as np
 import torch
 
 from vllm_specbeam.adapter.attention import cpu as cpu_attention
-from vllm_specbeam.adapter.attention.step import distinct_kv_caches, tree_step
+from vllm_specbeam.adapter.attention.cuda import GpuTreeStep
+from vllm_specbeam.adapter.attention.step import (
+    ActiveTreeStep,
+    check_tree_attention,
+    distinct_kv_caches,
+    move_kv_slots,
+    tree_step,
+)
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig, SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT, committed_path
 from vllm_specbeam.draft_runtime import vocab
-from vllm_specbeam.draft_runtime.hf import placement
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,33 +75,18 @@ if TYPE_CHECKING:
 
 
 def uses_worker_draft(config: SpecbeamConfig | None) -> bool:
-    """Whether the method's draft model runs inside vLLM's worker (CPU only for now)."""
-    from vllm.platforms import current_platform
-
-    return config is not None and METHODS[config.method].needs_draft_model and current_platform.is_cpu()
-
-
-#: dsbd options of the Hugging Face runtime (draft_runtime/hf.py) that vLLM's own cache and placement replace
-_HF_RUNTIME_OPTIONS = ("draft_device", "max_cache_tokens_per_request", "max_cache_tokens_total")
-
-
-def check_worker_draft_options(config: SpecbeamConfig) -> None:
-    """Refuse, at start-up, options the in-worker draft cannot honour: its K/V
-    share the target's blocks (vLLM sizes and frees them) on the target's device."""
-    options, specs = config.options, METHODS[config.method].options()
-    for name in _HF_RUNTIME_OPTIONS:
-        if name in options and options[name] != specs[name].default:
-            raise SpecbeamConfigError(
-                f"{config.method}: {name}={options[name]!r} applies to the Hugging Face draft runtime only; on "
-                f"vLLM's CPU backend the draft runs inside vLLM's worker, on the target's device with its K/V in "
-                f"vLLM's KV cache (size it with VLLM_CPU_KVCACHE_SPACE): remove {name}"
-            )
+    """Whether the engine loads a draft model into its worker (the method drafts with one)."""
+    return config is not None and METHODS[config.method].needs_draft_model
 
 
 def _model_dtype(draft_dtype: str, target_dtype: torch.dtype) -> torch.dtype | str:
-    """The draft ``ModelConfig``'s dtype from the ``draft_dtype`` option ("checkpoint" is vLLM's "auto")."""
-    dtype = placement("auto", draft_dtype, "cpu", target_dtype)[1]
-    return "auto" if dtype == "checkpoint" else dtype
+    """The draft ``ModelConfig``'s dtype from the ``draft_dtype`` option: "auto" is the target's, as
+    for vLLM's own draft models (a comparison with them compares methods, not precisions);
+    "checkpoint" is vLLM's "auto". The verifiers use the very ``q`` the drafts were drawn from,
+    so any precision is lossless."""
+    if draft_dtype == "auto":
+        return target_dtype
+    return "auto" if draft_dtype == "checkpoint" else getattr(torch, draft_dtype)
 
 
 class _LookaheadProperty(property):
@@ -165,6 +158,13 @@ class _Feed:
     #: with a draft vocabulary: the request's own tokens its rows are scored on as well
     own_tokens: np.ndarray | None = None
 
+    def window(self) -> np.ndarray:
+        """``[rows, seq_len - context]``: which slots from the committed context on each tree row sees."""
+        visible = np.zeros((len(self.tokens), self.seq_len - self.context), dtype=bool)
+        for i, slots in enumerate(self.visible or ()):
+            visible[i, np.asarray(slots) - self.context] = True
+        return visible
+
 
 class WorkerDraftRuntime:
     """A draft model loaded by vLLM in the runner's process; the API of
@@ -204,7 +204,10 @@ class WorkerDraftRuntime:
                 f"vllm-specbeam: draft model {draft_model!r} registered no attention layer in the target's "
                 f"forward context; the in-worker draft needs a decoder with vLLM's Attention layers"
             )
-        cpu_attention.check_cpu_attention_supported([layers[name].impl for name in self.layers])
+        self.device: torch.device = runner.device
+        #: the plugin's CUDA tree backend and kernels serve the draft's layers (else the CPU tree attention)
+        self.on_cuda = self.device.type != "cpu"
+        check_tree_attention([layers[name].impl for name in self.layers], self.device)
         self._attention = [layers[name] for name in self.layers]
         #: (layer, its KV cache) once per cache tensor, for moving accepted nodes' K/V (set by bind)
         self._kv_layers: list[tuple[torch.nn.Module, torch.Tensor]] = []
@@ -251,7 +254,8 @@ class WorkerDraftRuntime:
         num_tokens = 16
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens, slot_mapping={}):
             self.model(
-                input_ids=torch.zeros(num_tokens, dtype=torch.int64), positions=torch.arange(num_tokens)
+                input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+                positions=torch.arange(num_tokens, device=self.device),
             )  # [num_tokens, hidden], discarded
 
     # ------------------------------------------------------------ the DraftRuntime API
@@ -395,7 +399,8 @@ class WorkerDraftRuntime:
         if moved:
             src = self._slots(blocks, [request.length + node for node, _ in moved])  # [moves]
             dst = self._slots(blocks, [request.length + depth for _, depth in moved])  # [moves]
-            cpu_attention.move_kv(self._moved_caches(), src, dst)
+            device = self.device
+            move_kv_slots(self._moved_caches(), src.to(device), dst.to(device), [len(moved)], self.on_cuda)
         counts = self.runner.tree_counts
         counts.draft_kv_kept += len(path)
         counts.draft_kv_moves += len(moved)
@@ -425,16 +430,17 @@ class WorkerDraftRuntime:
         if self._group is None:
             raise RuntimeError("WorkerDraftRuntime.bind must run after the runner's initialize_kv_cache")
         self.runner.tree_counts.draft_forwards += 1
-        rows = torch.stack([f.blocks for f in feeds])  # [R, max_blocks]
+        device = self.device
+        rows = torch.stack([f.blocks for f in feeds]).to(device)  # [R, max_blocks]
         counts = [len(f.tokens) for f in feeds]
         starts = np.concatenate([[0], np.cumsum(counts)])  # [R + 1]
-        slots = torch.cat([self._slots(f.blocks, f.slots) for f in feeds])  # [T]
-        query_start = torch.from_numpy(starts.astype(np.int32))
+        slots = torch.cat([self._slots(f.blocks, f.slots) for f in feeds]).to(device)  # [T]
+        query_start = torch.from_numpy(starts.astype(np.int32))  # [R + 1]
         seq_lens = torch.tensor([f.seq_len for f in feeds], dtype=torch.int32)  # [R]
         common = CommonAttentionMetadata(
-            query_start_loc=query_start,
+            query_start_loc=query_start.to(device),
             query_start_loc_cpu=query_start,
-            seq_lens=seq_lens,
+            seq_lens=seq_lens.to(device),
             num_reqs=len(feeds),
             num_actual_tokens=int(starts[-1]),
             max_query_len=max(counts),
@@ -445,8 +451,8 @@ class WorkerDraftRuntime:
         )
         assert self._group is not None
         metadata = self._group.get_metadata_builder().build(0, common)
-        tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.int64)  # [T]
-        positions = torch.tensor([p for f in feeds for p in f.positions], dtype=torch.int64)  # [T]
+        tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.int64).to(device)  # [T]
+        positions = torch.tensor([p for f in feeds for p in f.positions], dtype=torch.int64).to(device)  # [T]
         with (
             tree_step(self._tree_step(feeds, starts)),
             set_forward_context(
@@ -460,18 +466,22 @@ class WorkerDraftRuntime:
         if last_only is None:
             return []
         if last_only:
-            hidden = hidden[torch.from_numpy(starts[1:] - 1)]  # [R, hidden]
+            hidden = hidden[torch.from_numpy(starts[1:] - 1).to(device)]  # [R, hidden]
             counts = [1] * len(feeds)
         if self._head is not None:
-            return list(self._head.logits(hidden, [f.own_tokens for f in feeds], counts).split(counts))
-        return list(self._vocab_logits(self.model.compute_logits(hidden)).split(counts))
+            logits = self._head.logits(hidden, [f.own_tokens for f in feeds], counts)
+        else:
+            logits = self._vocab_logits(self.model.compute_logits(hidden))
+        return list(logits.cpu().split(counts))  # host sync off CPU: the drafters sample on the host
 
-    @staticmethod
-    def _tree_step(feeds: list[_Feed], starts: np.ndarray) -> cpu_attention.TreeStep | None:
+    def _tree_step(self, feeds: list[_Feed], starts: np.ndarray) -> ActiveTreeStep | None:
         """The ancestor-only mask for tree rows: each sees the committed context and its visible slots."""
         trees = [(r, f) for r, f in enumerate(feeds) if f.visible is not None]
         if not trees:
             return None
+        if self.on_cuda:
+            windows = {r: (f.context, f.window()) for r, f in trees}
+            return GpuTreeStep.for_windows(starts, [f.seq_len for f in feeds], windows, self.device)
         num_rows = max(len(f.tokens) for _, f in trees)
         num_keys = max(f.seq_len for _, f in trees)
         query_rows = torch.zeros(len(trees), num_rows, dtype=torch.int64)  # [R, Qmax]
@@ -482,8 +492,7 @@ class WorkerDraftRuntime:
             query_rows[t, :n] = torch.arange(int(starts[r]), int(starts[r]) + n)
             row_valid[t, :n] = True
             key_mask[t, :n, : feed.context] = True
-            for i, visible in enumerate(feed.visible or ()):
-                key_mask[t, i, visible] = True
+            key_mask[t, :n, feed.context : feed.seq_len] = torch.from_numpy(feed.window())
         empty = torch.zeros(0, dtype=torch.int64)
         return cpu_attention.TreeStep(
             torch.tensor([r for r, _ in trees], dtype=torch.int64), query_rows, row_valid, key_mask, empty, empty
@@ -602,13 +611,21 @@ class _BlockPool:
         new = max(2 * old, old + at_least, 16)
         grown = []
         for layer, tensor in zip(self.layers, self.tensors or [None] * len(self.layers)):
-            template = layer.kv_cache if tensor is None else tensor
-            bigger = torch.zeros((new, *template.shape[1:]), dtype=template.dtype, device=template.device)
+            bigger = _blocks_like(layer.kv_cache if tensor is None else tensor, new)
             if tensor is not None:
                 bigger[:old] = tensor
             grown.append(bigger)
         self.tensors = grown
         self.free = list(range(new - 1, old - 1, -1)) + self.free
+
+
+def _blocks_like(cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Zeros for ``num_blocks`` blocks laid out in memory as ``cache`` is (vLLM's CUDA caches are
+    permuted views, e.g. ``LBNHC``; kernels read strides, the CPU attention its own layout)."""
+    order = sorted(range(cache.dim()), key=lambda d: -cache.stride(d))  # dims, outermost in memory first
+    shape = [num_blocks if d == 0 else cache.shape[d] for d in order]
+    blocks = torch.zeros(shape, dtype=cache.dtype, device=cache.device)  # [dims in memory order]
+    return blocks.permute([order.index(d) for d in range(cache.dim())])
 
 
 class _VocabularyHead:
@@ -644,7 +661,7 @@ class _VocabularyHead:
             )
         self.weight = lm_head.weight  # [padded vocab, hidden]
         self.bias = getattr(lm_head, "bias", None)
-        self.ids = torch.from_numpy(ids)  # [K]
+        self.ids = torch.from_numpy(ids).to(self.weight.device)  # [K]
         self.kept = self.weight[self.ids].contiguous()  # [K, hidden]
         self.kept_bias = None if self.bias is None else self.bias[self.ids].contiguous()  # [K]
         self.processor = processor
@@ -659,12 +676,12 @@ class _VocabularyHead:
 
     def logits(self, hidden: torch.Tensor, own: Sequence[np.ndarray | None], counts: Sequence[int]) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` for ``hidden`` ``[T, hidden]``, whose rows go ``counts`` per request."""
-        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))  # [T, V]
+        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)  # [T, V]
         out.index_copy_(1, self.ids, self._project(hidden, self.kept, self.kept_bias))
         start = 0
         for tokens, count in zip(own, counts):
             if tokens is not None and tokens.size:
-                columns = torch.from_numpy(tokens)
+                columns = torch.from_numpy(tokens).to(hidden.device)
                 bias = None if self.bias is None else self.bias[columns]
                 rows = self._project(hidden[start : start + count], self.weight[columns], bias)  # [count, own]
                 out[start : start + count].index_copy_(1, columns, rows)

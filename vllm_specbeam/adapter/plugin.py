@@ -150,13 +150,10 @@ def _speculative_config(stock: Callable[..., SpeculativeConfig | None]) -> Calla
         if not is_plugin_method(spec):
             check_known_method(spec)
             return stock(self, target_model_config, target_parallel_config)
-        from vllm_specbeam.adapter import draft_model
 
         patches.raise_problems()
         config = parse(spec, target_tokenizer=self.tokenizer or self.model, target_model=self.model)
         configure_engine(self, target_parallel_config)
-        if draft_model.uses_worker_draft(config):
-            draft_model.check_worker_draft_options(config)
         self.additional_config = with_plugin_config(self.additional_config, config)
         self.speculative_config = vllm_carrier(config)
         try:

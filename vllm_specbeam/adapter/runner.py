@@ -43,7 +43,7 @@ from typing_extensions import override
 
 from vllm_specbeam.adapter import patches, tree_prompt
 from vllm_specbeam.adapter.attention import cpu as cpu_attention
-from vllm_specbeam.adapter.attention.step import distinct_kv_caches, tree_step
+from vllm_specbeam.adapter.attention.step import check_tree_attention, distinct_kv_caches, move_kv_slots, tree_step
 from vllm_specbeam.adapter.draft_model import SearchDraftRuntime, WorkerDraftRuntime, uses_worker_draft
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.budget import StepBudget, StepCost
@@ -280,8 +280,8 @@ class TreeRunnerMixin:
         """The draft for speculative beam searches: the engine's loaded draft, blocks of its own."""
         if self.draft_runtime is None:
             raise RuntimeError(
-                "vllm-specbeam: this engine has no draft inside the worker (dsbd on vLLM's CPU backend); "
-                "speculative beam search drafts in the calling process here"
+                "vllm-specbeam: this engine has no draft model; speculative beam search needs an engine "
+                "started with dsbd and its draft"
             )
         return SearchDraftRuntime(self.draft_runtime)
 
@@ -302,13 +302,7 @@ class TreeRunnerMixin:
     @override
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        impls = [layer.impl for layer in self._attention_layers().values()]
-        if self.device.type == "cpu":
-            cpu_attention.check_cpu_attention_supported(impls)
-        else:
-            from vllm_specbeam.adapter.attention.cuda import check_tree_backend
-
-            check_tree_backend(impls)
+        check_tree_attention([layer.impl for layer in self._attention_layers().values()], self.device)
         if uses_worker_draft(self.tree_config):
             assert self.tree_config.draft_model is not None  # parse() requires it for draft-model methods
             use_runtime = getattr(self.tree_drafter, "use_runtime", None)
@@ -601,15 +595,8 @@ class TreeRunnerMixin:
         counts = [moves.size for moves in src_rows]
         rows = torch.from_numpy(np.concatenate([*src_rows, *dst_rows])).to(slots.device)
         src, dst = slots[rows].to(torch.int64).tensor_split([sum(counts)])  # [moves] each
-        if self.device.type == "cpu":
-            cpu_attention.move_kv(self._kv_layers, src, dst)
-        else:
-            # One launch for all layers; each request's moves run in order, in place.
-            cu_moves = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-            kv_move.kv_move(
-                [kv_cache for _, kv_cache in self._kv_layers], src, dst,
-                torch.from_numpy(cu_moves).to(slots.device), self._kv_layer_pointers,
-            )  # fmt: skip
+        on_cuda = self.device.type != "cpu"
+        move_kv_slots(self._kv_layers, src, dst, counts, on_cuda, self._kv_layer_pointers if on_cuda else None)
         self.tree_counts.kv_moves += sum(counts)
 
     def _verify(

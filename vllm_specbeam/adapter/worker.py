@@ -33,11 +33,21 @@ def _check_v1_runner(worker: Worker) -> None:
         )
 
 
-class _ByName:
-    """Worker methods ``LLM.collective_rpc`` calls by name (no pickled function,
-    so no ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
+class _TreeWorker:
+    """What both tree workers add to vLLM's: the in-worker draft's warm-up, and methods
+    ``LLM.collective_rpc`` calls by name (no pickled function, so no
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
 
     model_runner: GPUModelRunner
+
+    def compile_or_warm_up_model(self) -> Any:
+        # vLLM 0.32.0 v1/worker/cpu_worker.py and gpu_worker.py warm up (compile) the target only;
+        # the in-worker draft (adapter/draft_model.py) is compiled here, before the first request
+        # and before vLLM's compile_or_warm_up_model resets the random seed.
+        runtime = getattr(self.model_runner, "draft_runtime", None)
+        if runtime is not None:
+            runtime.warm_up()
+        return super().compile_or_warm_up_model()  # type: ignore[misc]
 
     def specbeam_stats(self) -> dict[str, int | float]:
         """The runner's counters and what the drafter and the draft runtimes hold now (requests
@@ -73,7 +83,7 @@ class _ByName:
         self.model_runner.search_draft_runtime.remove(keys)  # type: ignore[attr-defined]
 
 
-class TreeCPUWorker(_ByName, CPUWorker):
+class TreeCPUWorker(_TreeWorker, CPUWorker):
     """vLLM's CPU worker with the tree runner."""
 
     @override
@@ -88,18 +98,8 @@ class TreeCPUWorker(_ByName, CPUWorker):
         with patches.replaced(patches.CPU_WORKER_RUNNER, tree_runner_class):
             super().init_device()
 
-    @override
-    def compile_or_warm_up_model(self) -> Any:
-        # vLLM 0.32.0 v1/worker/cpu_worker.py warms up (compiles) the target only;
-        # the in-worker draft (adapter/draft_model.py) is compiled here, before the first
-        # request and before vLLM's compile_or_warm_up_model resets the random seed.
-        runtime = getattr(self.model_runner, "draft_runtime", None)
-        if runtime is not None:
-            runtime.warm_up()
-        return super().compile_or_warm_up_model()
 
-
-class TreeGPUWorker(_ByName, Worker):
+class TreeGPUWorker(_TreeWorker, Worker):
     """vLLM's GPU worker with the tree runner."""
 
     @override

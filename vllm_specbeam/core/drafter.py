@@ -65,7 +65,8 @@ class TreeDrafter(ABC):
         the front end, before the engine starts."""
 
     def load_model(self, target_model: Any) -> None:
-        """Called once the target is loaded; drafters with a model load theirs here."""
+        """Called once the target is loaded (draft-model drafters get the engine's draft through
+        ``use_runtime`` instead)."""
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:

@@ -1,10 +1,10 @@
 """What a drafter needs from a draft model's runtime, whichever runs it.
 
-Two runtimes serve it: :mod:`vllm_specbeam.draft_runtime.hf` (a Hugging Face
-model with its own per-request caches, next to vLLM) and
-``vllm_specbeam.adapter.draft_model`` (the draft loaded by vLLM inside the
-worker, its K/V in vLLM's paged cache). Drafters are typed against this
-protocol so they run on either without knowing which.
+The engine's runtime is ``vllm_specbeam.adapter.draft_model`` (the draft
+loaded by vLLM inside the worker, its K/V in vLLM's paged cache); the tests
+drive the vLLM-free drafters with a small reference runtime
+(``tests/reference_draft.py``, whole sequences through Transformers).
+Drafters are typed against this protocol, so they never know which runs them.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from vllm_specbeam.core.corpus import load_tokenizer
 from vllm_specbeam.core.drafter import TreeDrafter
 from vllm_specbeam.draft_runtime import vocab
 from vllm_specbeam.draft_runtime.base import DraftRuntime
-from vllm_specbeam.draft_runtime.hf import DraftModelError, check_vocabularies
 
 GREEDY_EPS = 1e-5  # vLLM's sampler treats temperatures below this as greedy
 
@@ -73,6 +72,31 @@ def draft_temperature(options: Mapping[str, Any], request_temperature: float) ->
     return options["draft_temperature"] or request_temperature
 
 
+class DraftModelError(ValueError):
+    """The draft model cannot serve this target (vocabulary mismatch, bad path)."""
+
+
+def check_vocabularies(draft: str, target: str, draft_vocab: dict[str, int], target_vocab: dict[str, int]) -> None:
+    """Refuse a draft model whose tokenizer maps any string to another id than the target's.
+
+    Draft tokens are verified by id, so a draft that tokenises differently
+    would have its proposals scored as unrelated tokens: silently useless, or
+    worse, lossy under joint-likelihood rules.
+    """
+    if draft_vocab == target_vocab:
+        return
+    only_draft = sorted(set(draft_vocab) - set(target_vocab))
+    only_target = sorted(set(target_vocab) - set(draft_vocab))
+    moved = sorted(k for k in set(draft_vocab) & set(target_vocab) if draft_vocab[k] != target_vocab[k])
+    examples = (only_draft[:3], only_target[:3], moved[:3])
+    raise DraftModelError(
+        f"draft model {draft!r} ({len(draft_vocab)} tokens) and target {target!r} ({len(target_vocab)} tokens) "
+        f"do not tokenise identically: {len(only_draft)} tokens only in the draft {examples[0]}, "
+        f"{len(only_target)} only in the target {examples[1]}, {len(moved)} with different ids {examples[2]}; "
+        f"pick a draft model from the target's family"
+    )
+
+
 def check_draft_tokenizer(draft_model: str, target_tokenizer: str) -> None:
     """Refuse a missing draft model or one whose vocabulary differs from the target's."""
     from transformers import AutoTokenizer
@@ -125,14 +149,6 @@ class DraftModelDrafter(TreeDrafter):
         draft's scratch KV slots): the verified tree's, unless the method
         drafts more than it proposes."""
         return int(options["max_nodes"])
-
-    def load_model(self, target_model: Any) -> None:
-        """Asked only where the engine does not load the draft itself (off vLLM's CPU backend)."""
-        name = type(self).__name__.removesuffix("Drafter").lower()
-        raise SpecbeamConfigError(
-            f"{name} drafts with the draft model inside vLLM's worker, which this version runs on vLLM's CPU "
-            "backend only; on this platform use dsbd (its draft runs next to vLLM) or a draft-free method"
-        )
 
     def use_runtime(self, runtime: DraftRuntime) -> None:
         """Draft with a draft model the engine loaded itself (inside vLLM's worker)."""

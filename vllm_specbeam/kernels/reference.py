@@ -24,16 +24,28 @@ block_size + offset``. Token ``p`` of request ``r`` lives at slot
 Tree topology ("ancestor words")
 --------------------------------
 Per query row an ``int64[num_words]`` bitmask, ``tree_mask[num_tokens,
-num_words]``. Bit ``b`` of word ``w`` stands for the request's query row ``j =
-64 * w + b`` (rows counted from the request's first scheduled row). For a
-request with ``query_len`` rows and ``seq_len`` keys (context ``C = seq_len -
-query_len``):
+num_words]``. Bits index the request's *tree window*, the keys from ``B``
+(``tree_base``) on: bit ``b`` of word ``w`` stands for key ``B + j``, ``j =
+64 * w + b``. For a request with ``query_len`` rows and ``seq_len`` keys
+(context ``C = seq_len - query_len``):
 
 * a row whose words are **all zero** is an ordinary causal row: it sees keys
   ``[0, C + row]`` (so non-tree requests simply pass zeros);
-* any other row is a **tree row**: it sees the committed context ``[0, C)``
-  plus key ``C + j`` for every set bit ``j < query_len`` (its ancestors and
-  itself for a tree; any pattern for forests).
+* any other row is a **tree row**: it sees every key before the window,
+  ``[0, B)``, plus key ``B + j`` for every set bit ``j < seq_len - B`` (its
+  ancestors and itself for a tree; any pattern for forests).
+
+``B`` defaults to ``C``, so bit ``j`` is the request's query row ``j`` (rows
+counted from its first scheduled row): a verification step's tree is exactly
+its rows. ``0 <= B < C`` serves a draft model drafting a tree depth by depth,
+whose rows are one depth while the ancestors at earlier depths sit in the
+cache between the committed context and the rows; the window then needs
+``cdiv(seq_len - B, 64)`` words. For example::
+
+    # a draft's depth-2 forward: context 10 (root at slot 9), depth-1 nodes
+    # in slots 10, 11, depth-2 nodes in slots 12, 13: query_len 2, seq_len 14
+    # (C = 12), tree_base 10; the node in slot 13, whose parent is in slot 11,
+    # has bits {1, 3}: it sees keys [0, 10) (root included), 11 and 13.
 
 The step's own keys are read from the paged cache, like the context, because
 vLLM writes all scheduled rows at positions ``C + row`` before attention.
@@ -67,10 +79,16 @@ def pack_ancestor_mask(mask: np.ndarray, num_words: int) -> np.ndarray:
 
 
 def unpack_tree_mask(words: torch.Tensor, num_cols: int) -> torch.Tensor:
-    """Inverse of :func:`pack_ancestor_mask` for a torch ``int64[rows, W]``."""
+    """Inverse of :func:`pack_ancestor_mask` for a torch ``int64[rows, W]``.
+
+    Columns past the last word read as unset, as in the kernel, which loops
+    over at most ``W`` words whatever the window's width.
+    """
     cols = torch.arange(num_cols, device=words.device)
-    word = words[:, cols // BITS_PER_WORD]  # [rows, num_cols]
-    return ((word >> (cols % BITS_PER_WORD)) & 1).bool()
+    word_idx = cols // BITS_PER_WORD  # [num_cols]
+    in_words = word_idx < words.shape[1]
+    word = words[:, word_idx.clamp(max=words.shape[1] - 1)]  # [rows, num_cols]
+    return ((word >> (cols % BITS_PER_WORD)) & 1).bool() & in_words
 
 
 def build_tree_mask(
@@ -104,22 +122,23 @@ def build_tree_mask(
     return torch.from_numpy(out).to(device)
 
 
-def allowed_keys(words: torch.Tensor, context_len: int) -> torch.Tensor:
+def allowed_keys(words: torch.Tensor, context_len: int, tree_base: int | None = None) -> torch.Tensor:
     """Boolean ``[query_len, context_len + query_len]``: which key each row sees.
 
-    ``words`` are the request's rows of ``tree_mask``; see the module docstring
-    for the rule. Shared by the reference and the dense baseline.
+    ``words`` are the request's rows of ``tree_mask``, ``tree_base`` where its
+    tree window starts (``None``: at ``context_len``); see the module
+    docstring for the rule. Shared by the reference and the dense baseline.
     """
     query_len = words.shape[0]
     seq_len = context_len + query_len
+    base = context_len if tree_base is None else tree_base
+    if not 0 <= base <= context_len:
+        raise ValueError(f"tree_base {base} outside [0, {context_len}]: the window must hold the rows' own keys")
     key_pos = torch.arange(seq_len, device=words.device)
     row = torch.arange(query_len, device=words.device)
     causal = key_pos[None, :] <= context_len + row[:, None]
-    in_tree = unpack_tree_mask(words, query_len)  # [q, q]
-    tree = torch.cat(
-        [torch.ones(query_len, context_len, dtype=torch.bool, device=words.device), in_tree],
-        dim=1,
-    )
+    in_tree = unpack_tree_mask(words, seq_len - base)  # [q, seq_len - base]
+    tree = torch.cat([torch.ones(query_len, base, dtype=torch.bool, device=words.device), in_tree], dim=1)
     is_tree = (words != 0).any(dim=1, keepdim=True)
     return torch.where(is_tree, tree, causal)
 
@@ -154,6 +173,8 @@ def tree_attention_ref(
     tree_mask: torch.Tensor | None,
     softmax_scale: float,
     out: torch.Tensor | None = None,
+    *,
+    tree_base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-request masked attention over the paged cache, in fp32.
 
@@ -161,7 +182,9 @@ def tree_attention_ref(
     block_size, num_kv_heads, head_size]``; ``block_table [num_reqs,
     max_blocks]``; ``query_start_loc [num_reqs + 1]``; ``seq_lens [num_reqs]``
     (context + this step's rows); ``tree_mask [num_tokens, W]`` or ``None``
-    (all rows causal). Rows past ``query_start_loc[-1]`` are left untouched.
+    (all rows causal); ``tree_base [num_reqs]`` or ``None`` (every window
+    starts at the context end). Rows past ``query_start_loc[-1]`` are left
+    untouched.
     """
     if out is None:
         out = torch.zeros_like(q)
@@ -169,6 +192,7 @@ def tree_attention_ref(
     group = num_heads // num_kv_heads
     block_size = key_cache.shape[1]
     starts = query_start_loc.tolist()
+    bases = [None] * len(seq_lens) if tree_base is None else tree_base.tolist()
     for req, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[req], starts[req + 1]
         query_len = q_end - q_start
@@ -182,7 +206,7 @@ def tree_attention_ref(
             words = torch.zeros(query_len, 1, dtype=torch.int64, device=q.device)
         else:
             words = tree_mask[q_start:q_end]
-        allowed = allowed_keys(words, context_len)  # [q, k]
+        allowed = allowed_keys(words, context_len, bases[req])  # [q, k]
         scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), keys) * softmax_scale
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

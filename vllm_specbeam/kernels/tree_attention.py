@@ -8,7 +8,10 @@ differs between rows is only *which* keys they may see, given compactly by
 ``tree_mask`` (see :mod:`vllm_specbeam.kernels.reference` for the format):
 
 * all-zero words -> causal row, keys ``[0, C + row]``;
-* otherwise      -> keys ``[0, C)`` plus ``C + j`` for each set bit ``j``.
+* otherwise      -> keys ``[0, B)`` plus ``B + j`` for each set bit
+  ``j < seq_len - B``, where the tree window starts at ``B = tree_base[r]``
+  (default ``C``; earlier when the window also holds keys of earlier
+  forwards, e.g. a draft's ancestors at previous depths).
 
 Program layout (same idea as vLLM's ``kernel_unified_attention_2d``): one
 program per (block of ``BLOCK_Q`` query rows, KV head, request). Its
@@ -17,10 +20,11 @@ heads sharing that KV head, so each K/V tile is loaded once for the whole GQA
 group. The key loop has two phases that share one online-softmax step:
 
 1. the dense prefix, keys ``[0, max_row(dense_len))`` in ``TILE_N`` tiles,
-   where ``dense_len`` is ``C`` for tree rows and ``C + row + 1`` for causal
+   where ``dense_len`` is ``B`` for tree rows and ``C + row + 1`` for causal
    rows (so causal rows are done after phase 1);
-2. the tree, keys ``C + [64 w, 64 w + 64)`` for each mask word ``w`` (skipped
-   when the program holds no tree row), masked bit by bit.
+2. the tree window, keys ``B + [64 w, 64 w + 64)`` for each mask word
+   ``w < cdiv(seq_len - B, 64)`` (skipped when the program holds no tree
+   row), masked bit by bit.
 
 Written for real GPUs; tested on CPU with ``TRITON_INTERPRET=1`` (see
 ``docs/kernels.md`` for what ran where).
@@ -133,6 +137,7 @@ if HAS_TRITON:
         block_table_ptr,  # [num_reqs, max_blocks] int32
         query_start_loc_ptr,  # [num_reqs + 1] int32
         seq_lens_ptr,  # [num_reqs] int32
+        tree_base_ptr,  # [num_reqs] int32, read only if HAS_TREE_BASE
         tree_mask_ptr,  # [num_tokens, NUM_WORDS] int64
         qk_scale,
         stride_q_tok,
@@ -155,6 +160,7 @@ if HAS_TRITON:
         BLOCK_Q: tl.constexpr,  # query rows per program
         TILE_N: tl.constexpr,  # keys per step in the dense phase
         NUM_WORDS: tl.constexpr,  # int64 mask words per row
+        HAS_TREE_BASE: tl.constexpr,  # else the window starts at the context end
         DOT_IN_FP32: tl.constexpr,
     ):
         # q blocks vary fastest: the programs re-reading one request's context
@@ -171,6 +177,11 @@ if HAS_TRITON:
             return  # grid is sized for the longest request
         seq_len = tl.load(seq_lens_ptr + req)
         context_len = seq_len - query_len
+        if HAS_TREE_BASE:
+            tree_base = tl.load(tree_base_ptr + req)
+        else:
+            tree_base = context_len
+        tree_len = seq_len - tree_base  # keys in the tree window
 
         # Score row m = (query row, query head in the KV group).
         offs_m = tl.arange(0, BLOCK_M)
@@ -192,10 +203,10 @@ if HAS_TRITON:
         for w in tl.static_range(NUM_WORDS):
             word = tl.load(tree_mask_ptr + token * stride_tm_row + w, mask=row_valid, other=0)
             is_tree = is_tree | (word != 0)
-        dense_len = tl.where(is_tree, context_len, context_len + row + 1)
+        dense_len = tl.where(is_tree, tree_base, context_len + row + 1)
         dense_len = tl.where(row_valid, dense_len, 0)
         dense_end = tl.max(dense_len, axis=0)
-        num_tree_words = tl.minimum(tl.cdiv(query_len, 64), NUM_WORDS)
+        num_tree_words = tl.minimum(tl.cdiv(tree_len, 64), NUM_WORDS)
         num_tree_words = tl.where(tl.max(is_tree.to(tl.int32), axis=0) > 0, num_tree_words, 0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -203,7 +214,7 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], dtype=tl.float32)
         block_table_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
 
-        # Phase 1: committed context (and, for causal rows, their step rows).
+        # Phase 1: keys before the tree window (and, for causal rows, up to themselves).
         offs_n = tl.arange(0, TILE_N)
         for start in range(0, dense_end, TILE_N):
             key_pos = start + offs_n
@@ -216,13 +227,13 @@ if HAS_TRITON:
             allowed = key_pos[None, :] < dense_len[:, None]
             m_i, l_i, acc = _online_softmax_step(q, k_tile, v_tile, allowed, m_i, l_i, acc, qk_scale, DOT_IN_FP32)
 
-        # Phase 2: the step's rows, one 64-key tile per mask word.
+        # Phase 2: the tree window, one 64-key tile per mask word.
         offs_bit = tl.arange(0, 64)
         for w in range(0, num_tree_words):
-            tree_row = w * 64 + offs_bit  # request-relative row of each key
-            key_valid = tree_row < query_len
+            tree_row = w * 64 + offs_bit  # window-relative index of each key
+            key_valid = tree_row < tree_len
             k_tile, v_tile = _load_kv_tile(
-                k_cache_ptr, v_cache_ptr, block_table_row_ptr, context_len + tree_row, key_valid,
+                k_cache_ptr, v_cache_ptr, block_table_row_ptr, tree_base + tree_row, key_valid,
                 kv_head, offs_d, d_valid, stride_k_blk, stride_k_slot, stride_k_head,
                 stride_v_blk, stride_v_slot, stride_v_head, BLOCK_SIZE,
             )  # fmt: skip
@@ -270,6 +281,8 @@ def tree_attention(
     softmax_scale: float,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    *,
+    tree_base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed tree/causal batch over the paged KV cache.
 
@@ -288,6 +301,9 @@ def tree_attention(
         max_query_len: host-side bound on rows per request (vLLM metadata
             has it); computed with a device sync when omitted.
         out: optional output, same shape/dtype as ``q``.
+        tree_base: ``[num_reqs]`` int32, where each request's tree window
+            starts, ``0 <= B <= seq_len - query_len`` (not checked: that
+            would sync); ``None`` means ``seq_len - query_len`` for all.
 
     Falls back to :func:`.reference.tree_attention_ref` when Triton is missing
     or the tensors are on CPU without ``TRITON_INTERPRET=1``.
@@ -296,8 +312,9 @@ def tree_attention(
         out = torch.empty_like(q)
     if not HAS_TRITON or (not q.is_cuda and not _interpreting()):
         return tree_attention_ref(
-            q, key_cache, value_cache, block_table, query_start_loc, seq_lens, tree_mask, softmax_scale, out
-        )
+            q, key_cache, value_cache, block_table, query_start_loc, seq_lens, tree_mask, softmax_scale, out,
+            tree_base=tree_base,
+        )  # fmt: skip
     num_reqs = seq_lens.shape[0]
     num_heads, head_size = q.shape[1], q.shape[2]
     _num_blocks, block_size, num_kv_heads, cache_head_size = key_cache.shape
@@ -309,6 +326,9 @@ def tree_attention(
         tree_mask = torch.zeros(q.shape[0], 1, dtype=torch.int64, device=q.device)
     assert tree_mask.dtype == torch.int64 and tree_mask.stride(-1) == 1
     assert tree_mask.shape[0] == q.shape[0], "tree_mask needs one row per query row"
+    if tree_base is not None:
+        assert tree_base.dtype == torch.int32 and tree_base.shape == seq_lens.shape
+        assert tree_base.device == seq_lens.device
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_reqs else 0
     if num_reqs == 0 or max_query_len == 0:
@@ -320,7 +340,9 @@ def tree_attention(
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), num_kv_heads, num_reqs)
     _tree_attention_kernel[grid](
         q, key_cache, value_cache, out,
-        block_table, query_start_loc, seq_lens, tree_mask,
+        block_table, query_start_loc, seq_lens,
+        seq_lens if tree_base is None else tree_base,  # any int32 pointer when unused
+        tree_mask,
         softmax_scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -331,6 +353,7 @@ def tree_attention(
         HEAD_SIZE_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size,
         NUM_WORDS=tree_mask.shape[1],
+        HAS_TREE_BASE=tree_base is not None,
         # The interpreter multiplies bf16 as raw uint16 bits (numpy has no
         # bf16), so there, and only there, dots run on fp32 copies.
         DOT_IN_FP32=_interpreting() and q.dtype == torch.bfloat16,

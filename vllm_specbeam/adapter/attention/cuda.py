@@ -71,6 +71,9 @@ class GpuTreeStep:
     #: token rows of all draft nodes and the positions they must have (host)
     node_rows: torch.Tensor
     node_positions: torch.Tensor
+    #: ``[num_reqs]`` int32 on the device: the first key each request's mask bits count from (the
+    #: kernel's ``tree_base``); None: its first scheduled row, as in a verification step
+    tree_base: torch.Tensor | None = None
 
     @property
     def needs_attention(self) -> bool:
@@ -92,6 +95,34 @@ class GpuTreeStep:
         node_rows, node_positions = node_layout(first_rows, context_lens, trees)
         words = ancestor_words(request_starts, first_rows, trees, num_tokens)
         return cls(None if words is None else _to_device(words, device), node_rows, node_positions)
+
+    @classmethod
+    def for_windows(
+        cls,
+        query_start_loc: np.ndarray,
+        seq_lens: Sequence[int],
+        windows: dict[int, tuple[int, np.ndarray]],
+        device: torch.device,
+    ) -> GpuTreeStep:
+        """A draft model's tree depth: request ``r`` in ``windows`` has ``(context, visible)``, its rows
+        seeing keys ``[0, context)`` and, of the keys from ``context`` on, those ``visible`` ``[rows, keys]``
+        marks (ancestors written by earlier depths and the row itself); other requests' rows are causal.
+
+        Example: context 10 (root in slot 9), depth-1 nodes in slots 10, 11, depth-2 nodes in slots 12,
+        13 fed now: ``seq_len`` 14, the node in slot 13 under the one in slot 11 sees bits ``{1, 3}``.
+        """
+        num_tokens = int(query_start_loc[-1])
+        query_lens = np.diff(query_start_loc)  # [num_reqs]
+        base = np.asarray(seq_lens, dtype=np.int32) - query_lens.astype(np.int32)  # [num_reqs]
+        needed = -(-max(visible.shape[1] for _, visible in windows.values()) // BITS_PER_WORD)
+        num_words = 1 << (needed - 1).bit_length()  # a power of two: few kernel variants
+        words = np.zeros((num_tokens, num_words), dtype=np.int64)
+        for r, (context, visible) in windows.items():
+            base[r] = context
+            start = int(query_start_loc[r])
+            words[start : start + visible.shape[0]] = pack_ancestor_mask(visible, num_words)
+        empty = torch.zeros(0, dtype=torch.int64)
+        return cls(_to_device(words, device), empty, empty, _to_device(base, device))
 
 
 def ancestor_words(
@@ -157,7 +188,7 @@ class TreeTritonAttentionImpl(TritonAttentionImpl):
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
-        return self._tree_forward(query, kv_cache, attn_metadata, output, step.tree_mask)
+        return self._tree_forward(query, kv_cache, attn_metadata, output, step.tree_mask, step.tree_base)
 
     def _tree_forward(
         self,
@@ -166,6 +197,7 @@ class TreeTritonAttentionImpl(TritonAttentionImpl):
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor,
         tree_mask: torch.Tensor,
+        tree_base: torch.Tensor | None,
     ) -> torch.Tensor:
         """All rows of the batch with the tree kernel; vLLM has already
         written this step's keys and values into the cache."""
@@ -181,7 +213,7 @@ class TreeTritonAttentionImpl(TritonAttentionImpl):
         tree_attention(
             query[:num_tokens], key_cache, value_cache, attn_metadata.block_table,
             attn_metadata.query_start_loc, attn_metadata.seq_lens, tree_mask, self.scale,
-            attn_metadata.max_query_len, out=output[:num_tokens],
+            attn_metadata.max_query_len, out=output[:num_tokens], tree_base=tree_base,
         )  # fmt: skip
         return output
 

@@ -59,6 +59,46 @@ def masked_rows(tree: DraftTree) -> np.ndarray:
 _ACTIVE: ActiveTreeStep | None = None
 
 
+def check_tree_attention(attention_impls: Sequence[torch.nn.Module], device: torch.device) -> None:
+    """At start-up: the layers' attention backend is one the plugin's tree attention extends
+    (the target's layers, and an in-worker draft's)."""
+    if device.type == "cpu":
+        from vllm_specbeam.adapter.attention.cpu import check_cpu_attention_supported
+
+        check_cpu_attention_supported(attention_impls)
+    else:
+        from vllm_specbeam.adapter.attention.cuda import check_tree_backend
+
+        check_tree_backend(attention_impls)
+
+
+def move_kv_slots(
+    kv_layers: Sequence[tuple[torch.nn.Module, torch.Tensor]],
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    counts: Sequence[int],
+    on_cuda: bool,
+    layer_pointers: torch.Tensor | None = None,
+) -> None:
+    """Copy K/V from ``src_slots`` to ``dst_slots`` ``[moves]`` in every layer; ``counts`` moves per
+    request, each request's in root-first order (an accepted path: a move never overwrites a
+    later move's source). On CPU vLLM's cache through its ISA layout; on CUDA the ``kv_move``
+    kernel, one launch for all layers (they must share a shape: one model's layers)."""
+    if src_slots.numel() == 0:
+        return
+    if not on_cuda:
+        from vllm_specbeam.adapter.attention.cpu import move_kv
+
+        move_kv(kv_layers, src_slots, dst_slots)
+        return
+    from vllm_specbeam.kernels import kv_move
+
+    caches = [kv_cache for _, kv_cache in kv_layers]
+    cu_moves = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))  # [requests + 1]
+    pointers = kv_move.layer_pointer_table(caches) if layer_pointers is None else layer_pointers
+    kv_move.kv_move(caches, src_slots, dst_slots, cu_moves.to(src_slots.device), pointers)
+
+
 def distinct_kv_caches(layers: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, torch.Tensor]]:
     """``(layer, its KV cache)`` once per cache tensor (layers may share one), for the accepted-K/V moves."""
     by_cache: dict[int, tuple[torch.nn.Module, torch.Tensor]] = {}

@@ -1,7 +1,8 @@
 """DSBD drafting: beam sampling with the draft model, drafted as a forest.
 
 All requests of a step are drafted together, one draft-model forward per
-depth (see :mod:`vllm_specbeam.draft_runtime.hf` for why batching pays):
+depth (a forward of a few rows per request is bound by reading the weights, so
+``B`` requests in one forward cost little more than one):
 :meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.sync_many` feeds every request's tokens committed
 since the last step and gives each ``q(. | context)``; then for every depth,
 per request, the draft joint over (beam, token) pairs is formed from the
@@ -45,7 +46,6 @@ from vllm_specbeam.draft_runtime.drafter import (
     draft_temperature,
     sampling_probs,
 )
-from vllm_specbeam.draft_runtime.hf import DraftModelRuntime, common_prefix, placement
 from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
 
 
@@ -67,22 +67,6 @@ class DsbdDrafter(DraftModelDrafter):
         "width_threshold": Option(
             0.7, "tau_w: a depth keeps the most beams n it accepts with probability >= tau_w", 0.0, 1.0
         ),
-        "draft_device": Option("auto", "device of the draft model (auto: the target's)", per_request=False),
-        "max_cache_tokens_per_request": Option(
-            0,
-            "longest context the draft caches (longer requests go undrafted; 0 = no cap)",
-            0,
-            1 << 30,
-            per_request=False,
-        ),
-        "max_cache_tokens_total": Option(
-            0,
-            "draft cache rows over all requests (least recently drafted requests "
-            "are dropped and re-encoded later; 0 = no cap)",
-            0,
-            1 << 30,
-            per_request=False,
-        ),
     }
 
     @staticmethod
@@ -91,33 +75,6 @@ class DsbdDrafter(DraftModelDrafter):
             raise SpecbeamConfigError(
                 f"dsbd: min_width={options['min_width']} exceeds max_width={options['max_width']}"
             )
-
-    def load_model(self, target_model: Any) -> None:
-        path = self.options.get("draft_model", "")
-        if not path:
-            raise SpecbeamConfigError('dsbd needs a draft model: add "model" to the speculative config')
-        if self.options["draft_vocab"]:
-            raise SpecbeamConfigError(
-                "dsbd: draft_vocab applies to the draft inside vLLM's worker (vLLM's CPU backend); here the draft "
-                "runs in the Hugging Face runtime, which scores the whole vocabulary: remove draft_vocab"
-            )
-        tokenizer = self.options.get("tokenizer") or None
-        weight = next(target_model.parameters(), None) if hasattr(target_model, "parameters") else None
-        device, dtype = placement(
-            self.options["draft_device"],
-            self.options["draft_dtype"],
-            "cpu" if weight is None else weight.device,
-            torch.float32 if weight is None else weight.dtype,
-        )
-        self.runtime = DraftModelRuntime(
-            path,
-            target_tokenizer=tokenizer,
-            target_vocab_size=_vocab_size(target_model, tokenizer),
-            device=device,
-            dtype=dtype,
-            max_tokens_per_request=self.options.get("max_cache_tokens_per_request", 0),
-            max_total_tokens=self.options.get("max_cache_tokens_total", 0),
-        )
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
@@ -355,7 +312,14 @@ def draft_forests(
 def _common_prefix_len(sequences: Sequence[Sequence[int]]) -> int:
     """Length of the tokens every sequence starts with (at least the prompt)."""
     first = list(sequences[0])
-    return min(common_prefix(first, list(s)) for s in sequences)
+    return min(_common_prefix(first, list(s)) for s in sequences)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix; the usual case (``b`` extends ``a``) is one C-level compare."""
+    if len(a) <= len(b) and a == b[: len(a)]:
+        return len(a)
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _walk(tree: DraftTree, path: Sequence[int]) -> int:
@@ -386,18 +350,3 @@ def _beam_trees(search: DraftBeamSearch, ends: list[int], first_node: int) -> li
         )
         for nodes in drafted
     ]
-
-
-def _vocab_size(target_model: Any, tokenizer: str | None) -> int | None:
-    """Width of the target's logits: from the loaded target if it says, else its config on disk."""
-    vocab_size = getattr(getattr(target_model, "config", None), "vocab_size", None)
-    if vocab_size:
-        return int(vocab_size)
-    if tokenizer is None:
-        return None
-    from transformers import AutoConfig
-
-    try:
-        return int(AutoConfig.from_pretrained(tokenizer).get_text_config().vocab_size)
-    except (OSError, ValueError):
-        return None
