@@ -474,11 +474,13 @@ def worker(job_path: Path) -> None:
                 {key: tree.pop(key) for key in ("step_cost_intercept_s", "step_cost_per_row_s") if key in tree}
             )
             values.update({f"tree_{key}": value for key, value in tree.items()})
-        searches = [speculative_search(s["beam_depth"]) for s in job["settings"] if s["speculative"]]
-        for search in {id(s): s for s in searches}.values():  # rounds are target passes; steps tokens per beam
-            values["beam_rounds"] = values.get("beam_rounds", 0) + search.stats.prompt_rounds
-            values["beam_steps"] = values.get("beam_steps", 0) + search.stats.steps
-            values["beam_draft_seconds"] = values.get("beam_draft_seconds", 0.0) + search.stats.draft_seconds
+        searches = [speculative_search(d) for d in {s["beam_depth"] for s in job["settings"] if s["speculative"]}]
+        if searches:  # rounds are target passes; steps are tokens per beam
+            values.update(
+                beam_rounds=sum(s.stats.prompt_rounds for s in searches),
+                beam_steps=sum(s.stats.steps for s in searches),
+                beam_draft_seconds=sum(s.stats.draft_seconds for s in searches),
+            )
         return values
 
     @functools.cache

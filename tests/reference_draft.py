@@ -15,18 +15,16 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-ROOT = -1
+from vllm_specbeam.core.tree import ROOT
 
 
 class ReferenceDraftRuntime:
     """The :class:`~vllm_specbeam.draft_runtime.base.DraftRuntime` API on a Transformers model."""
 
-    def __init__(self, model: str, max_tokens: int = 0) -> None:
+    def __init__(self, model: str) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-        #: longest context drafted (0: any); longer requests go undrafted, as a full cache leaves them
-        self.max_tokens = max_tokens
         self._context: dict[str, list[int]] = {}
         self._paths: dict[str, list[list[int]]] = {}  # per request, per tree node: its tokens from the root
         #: requests per non-empty call, in order: the draft forwards the engine's runtime would run
@@ -39,13 +37,9 @@ class ReferenceDraftRuntime:
     def sync_many(self, requests: Sequence[tuple[str, Sequence[int] | np.ndarray, int]]) -> list[torch.Tensor | None]:
         self.batches += [len(requests)] if requests else []
         results: list[torch.Tensor | None] = []
-        for req_id, tokens, reserve in requests:
-            context = [int(t) for t in tokens]
-            if self.max_tokens and len(context) + reserve > self.max_tokens:
-                results.append(None)
-                continue
-            self._context[req_id], self._paths[req_id] = context, []
-            results.append(self._last_logits(context))
+        for req_id, tokens, _ in requests:
+            self._context[req_id], self._paths[req_id] = [int(t) for t in tokens], []
+            results.append(self._last_logits(self._context[req_id]))
         return results
 
     def extend_many(self, nodes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:

@@ -114,8 +114,7 @@ class GpuTreeStep:
         num_tokens = int(query_start_loc[-1])
         query_lens = np.diff(query_start_loc)  # [num_reqs]
         base = np.asarray(seq_lens, dtype=np.int32) - query_lens.astype(np.int32)  # [num_reqs]
-        needed = -(-max(visible.shape[1] for _, visible in windows.values()) // BITS_PER_WORD)
-        num_words = 1 << (needed - 1).bit_length()  # a power of two: few kernel variants
+        num_words = _num_words(max(visible.shape[1] for _, visible in windows.values()))
         words = np.zeros((num_tokens, num_words), dtype=np.int64)
         for r, (context, visible) in windows.items():
             base[r] = context
@@ -138,10 +137,7 @@ def ancestor_words(
              if (rows := masked_rows(tree)).size]  # fmt: skip
     if not fixes:
         return None
-    needed = -(-max(before + tree.num_nodes + 1 for before, _, tree, _ in fixes) // BITS_PER_WORD)
-    # The word count is a compile-time constant of the kernel: a power of two
-    # bounds how many variants long recomputed prefixes can make Triton build.
-    num_words = 1 << (needed - 1).bit_length()
+    num_words = _num_words(max(before + tree.num_nodes + 1 for before, _, tree, _ in fixes))
     words = np.zeros((num_tokens, num_words), dtype=np.int64)
     for before, first, tree, rows in fixes:
         visible = np.zeros((rows.size, before + tree.num_nodes + 1), dtype=bool)
@@ -149,6 +145,13 @@ def ancestor_words(
         visible[:, before:] = tree.ancestor_mask[rows]
         words[first + rows] = pack_ancestor_mask(visible, num_words)
     return words
+
+
+def _num_words(bits: int) -> int:
+    """Mask words for ``bits`` bits a row. The word count is a compile-time constant of the
+    kernel: a power of two bounds how many variants long windows can make Triton build."""
+    needed = -(-bits // BITS_PER_WORD)
+    return 1 << (needed - 1).bit_length()
 
 
 def _to_device(words: np.ndarray, device: torch.device) -> torch.Tensor:
