@@ -38,6 +38,7 @@ import argparse
 import functools
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -453,7 +454,6 @@ def worker(job_path: Path) -> None:
     tick()
     tokenizer = llm.get_tokenizer()
     prompt_ids = [tokenizer.encode(text) for text in job["prompts"]]
-    token_prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
     max_tokens = job["max_tokens"]
     # Warm-up on a text outside the workload: methods that remember earlier requests
     # (suffix, lookup_tree's global scope) must not have seen a prompt before it runs.
@@ -489,8 +489,14 @@ def worker(job_path: Path) -> None:
 
         return SpeculativeBeamSearch(llm, num_speculative_tokens=depth)
 
+    salts = itertools.count()
+
     def run(setting: dict[str, Any], batch_size: int, temperature: float) -> list[list[int]]:
-        """All prompts, at most ``batch_size`` requests in flight at a time."""
+        """All prompts, at most ``batch_size`` requests in flight at a time. Each run gets its
+        own ``cache_salt``: no run reads KV blocks an earlier run of the same prompts left in
+        vLLM's prefix cache (beam searches re-submit their beams, and would find them)."""
+        salt = f"run-{next(salts)}"
+        token_prompts = [TokensPrompt(prompt_token_ids=ids, cache_salt=salt) for ids in prompt_ids]
         outputs: list[list[int]] = []
         for first in range(0, len(token_prompts), batch_size):
             indices = range(first, min(first + batch_size, len(token_prompts)))

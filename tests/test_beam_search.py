@@ -149,20 +149,27 @@ def assert_same_search(ours, theirs) -> None:
             assert x.text == y.text and len(x.logprobs) == len(y.logprobs)
 
 
-@pytest.mark.parametrize("width,ignore_eos", [(2, True), (3, False)])
-def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos):
+@pytest.mark.parametrize("width,ignore_eos,scoring", [(2, True, "per-beam"), (3, False, "auto"), (3, True, "shared")])
+def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos, scoring):
+    """Each beam scored as its own request, or a prompt's beams as one tree below their common
+    prefix (their tails as tree rows), or whichever computes fewer rows: vLLM's beams each time."""
     from vllm.sampling_params import BeamSearchParams
 
     from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
 
     prompts = make_prompts(5, seed=1)  # at width 3, prompt 0 has EOS-completed beams among its best
     params = BeamSearchParams(beam_width=width, max_tokens=24, ignore_eos=ignore_eos)
-    search = SpeculativeBeamSearch(llm)
+    search = SpeculativeBeamSearch(llm, scoring=scoring)
     llm.collective_rpc(_count_search_forwards)
     ours = search.run(prompts, params)
     batches = llm.collective_rpc(_search_batches)[0]
     theirs = llm.beam_search(prompts, params)
     assert_same_search(ours, theirs)
+    # every round after a prompt's first (one beam) is shared when forced, none per beam
+    first_rounds = len(prompts)
+    expected_shared = {"per-beam": 0, "shared": search.stats.prompt_rounds - first_rounds}.get(scoring)
+    assert expected_shared is None or search.stats.shared_rounds == expected_shared
+    assert scoring != "auto" or search.stats.shared_rounds > 0
     assert search.stats.steps == 24 * len(prompts) or not ignore_eos
     assert ignore_eos or any(s.tokens[-1] == llm.get_tokenizer().eos_token_id for o in theirs for s in o.sequences)
     # some drafted depths were accepted and some not: the comparison has teeth
@@ -197,6 +204,54 @@ def test_speculative_beam_search_under_chunked_prefill_equals_vllm_beam_search(e
     too_big = SamplingParams(**tree_prompt.request_params([-1] + list(range(64)), 2))
     with pytest.raises(VLLMValidationError, match=r"66 rows\) in one prefill chunk"):
         llm.generate([{"prompt_token_ids": list(range(3, 100))}], too_big, use_tqdm=False)
+
+
+def test_shared_tree_holds_every_beam_and_its_tree_below_the_common_prefix():
+    """Every row a beam reads from the shared tree is the node whose path from the root is that
+    beam's tail, then its tree's path to the node; equal prefixes are one node."""
+    import numpy as np
+
+    from vllm_specbeam.adapter.tree_prompt import shared_tree
+    from vllm_specbeam.core.tree import ROOT, DraftTree
+
+    example = shared_tree([[5, 7, 8, 2], [5, 7, 9, 4]], [DraftTree.chain([1, 2, 3]), DraftTree.chain([6])])
+    assert (example.prefix_len, example.tokens, example.parents) == (
+        2,
+        [8, 2, 1, 2, 3, 9, 4, 6],
+        [-1, 0, 1, 2, 3, -1, 5, 6],
+    )
+    assert example.rows == [[2, 3, 4, 5], [7, 8]] and example.num_tail_nodes == 4
+
+    def path(tokens, parents, node):
+        out = []
+        while node != ROOT:
+            out.append(tokens[node])
+            node = parents[node]
+        return out[::-1]
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        stem = rng.integers(0, 4, rng.integers(1, 6)).tolist()
+        beams = [stem + rng.integers(0, 3, rng.integers(0, 4)).tolist() for _ in range(rng.integers(1, 5))]
+        trees = []
+        for _ in beams:
+            parents = [int(rng.integers(ROOT, i)) if i else ROOT for i in range(rng.integers(0, 6))]
+            trees.append(DraftTree(rng.integers(0, 3, len(parents)), parents))
+        shared = shared_tree(beams, trees)
+        prefix = beams[0][: shared.prefix_len]
+        assert shared.prefix_len >= len(stem) and all(b[: shared.prefix_len] == prefix for b in beams)
+        # the longest prefix they share: a beam ends there, or two beams differ there
+        assert any(len(b) == shared.prefix_len for b in beams) or len({b[shared.prefix_len] for b in beams}) > 1
+        assert all(p < i for i, p in enumerate(shared.parents))
+        assert len(set(zip(shared.parents, shared.tokens))) == shared.num_nodes  # no node twice
+        for beam, tree, rows in zip(beams, trees, shared.rows):
+            assert len(rows) == tree.num_nodes + 1
+            tail = beam[shared.prefix_len :]
+            assert path(shared.tokens, shared.parents, rows[0] - 1) == tail
+            for node, row in enumerate(rows[1:]):
+                assert path(shared.tokens, shared.parents, row - 1) == tail + [
+                    int(t) for t in tree.tokens[tree.path_to(node)]
+                ]
 
 
 def test_prefill_chunks_end_before_a_tree_or_after_it():

@@ -20,7 +20,11 @@ but a round advances up to ``num_speculative_tokens + 1`` tokens:
 2. **Score.** Every beam of every prompt is submitted once with its tree
    appended (:mod:`vllm_specbeam.adapter.tree_prompt`): one target pass scores the
    whole forest, and the beams share their prompt's KV blocks through vLLM's
-   prefix cache.
+   prefix cache. vLLM caches full blocks only, so each such request also
+   recomputes its beam's last partial block. When that costs more rows, a
+   prompt's beams go as one request instead: their common prefix, then the
+   beams' tails and trees as one tree (:class:`~vllm_specbeam.adapter.tree_prompt.SharedTree`),
+   the shared partial block computed once (the ``scoring`` option).
 3. **Verify.** vLLM's selection is replayed depth by depth on the target's
    logprobs. While every survivor is a drafted node, its row was scored and
    the next depth can be selected too; the first depth with a survivor the
@@ -76,6 +80,10 @@ class BeamSearchStats:
     draft_nodes: int = 0
     #: wall time spent drafting (the draft model's beam search)
     draft_seconds: float = 0.0
+    #: prompt rows the target computed to score (beams' tokens not in the prefix cache, and the trees)
+    scored_rows: int = 0
+    #: prompt-rounds scored as one shared tree (the others: one request per beam)
+    shared_rounds: int = 0
 
     @property
     def steps_per_round(self) -> float:
@@ -191,6 +199,17 @@ class _Frontier:
 
 
 @dataclass
+class _Layout:
+    """How one prompt's forest went to the target in a round."""
+
+    #: per request: its tree's node count
+    nodes: list[int]
+    #: per beam: its request, and the rows of that request's ``row_logprobs`` at the
+    #: beam's end and at its tree's nodes
+    rows: list[tuple[int, list[int]]]
+
+
+@dataclass
 class PromptSearch:
     """One prompt's search: vLLM's ``BeamSearchInstance`` plus the draft cache key."""
 
@@ -198,6 +217,10 @@ class PromptSearch:
     key: str
     steps: int = 0
     trees: list[DraftTree] = field(default_factory=list)
+    layout: _Layout | None = None
+    #: sequences scored as linear prompt rows (newest last), with the leading tokens each left
+    #: in vLLM's prefix cache: full blocks before its root's block
+    linear: list[tuple[np.ndarray, int]] = field(default_factory=list)
 
 
 class WorkerForests:
@@ -240,7 +263,17 @@ class SpeculativeBeamSearch:
     """Draft and options for :func:`beam_search` on one engine (the engine's own draft drafts,
     in its worker: :class:`WorkerForests`)."""
 
-    def __init__(self, engine: Any, num_speculative_tokens: int | None = None, draft_width: int | None = None) -> None:
+    #: ``scoring``: per prompt and round, whichever leaves the target fewer rows (``auto``),
+    #: always one request per beam, or always one shared tree (when it fits a prefill chunk)
+    SCORING = ("auto", "per-beam", "shared")
+
+    def __init__(
+        self,
+        engine: Any,
+        num_speculative_tokens: int | None = None,
+        draft_width: int | None = None,
+        scoring: str = "auto",
+    ) -> None:
         """``engine``: an ``LLM`` (for :meth:`run`) or the server's engine client
         (an ``AsyncLLM``, for :mod:`vllm_specbeam.adapter.beam_search_server`)."""
         vllm_config = getattr(engine, "llm_engine", engine).vllm_config
@@ -253,6 +286,11 @@ class SpeculativeBeamSearch:
         self.draft_width = draft_width
         if self.depth < 1 or (draft_width is not None and draft_width < 1):
             raise ValueError("num_speculative_tokens and draft_width must be at least 1")
+        if scoring not in self.SCORING:
+            raise ValueError(f"scoring must be one of {self.SCORING}, got {scoring!r}")
+        self.scoring = scoring
+        self.block_size = vllm_config.cache_config.block_size
+        self.row_limit = tree_prompt.tree_row_limit(vllm_config.scheduler_config)
         self.forests = WorkerForests(engine)
         self.stats = BeamSearchStats()
         #: prompt keys unique across searches and processes (the worker holds their drafts' state)
@@ -345,13 +383,63 @@ class SpeculativeBeamSearch:
         requests = []
         for inst, trees in zip(active, forests):
             inst.trees = trees
-            for beam, tree in zip(inst.state.beams, trees):
-                prompt = TokensPrompt(prompt_token_ids=list(beam.tokens) + tree.tokens.tolist())
-                if beam.orig_prompt.get("cache_salt"):
-                    prompt["cache_salt"] = beam.orig_prompt["cache_salt"]
-                requests.append((prompt, SamplingParams(**tree_prompt.request_params(tree.parents, num_logprobs))))
-                self.stats.draft_nodes += tree.num_nodes
+            salt = inst.state.beams[0].orig_prompt.get("cache_salt")
+            for tokens, parents in self._layout(inst, trees):
+                prompt = TokensPrompt(prompt_token_ids=tokens)
+                if salt:
+                    prompt["cache_salt"] = salt
+                requests.append((prompt, SamplingParams(**tree_prompt.request_params(parents, num_logprobs))))
+            self.stats.draft_nodes += sum(tree.num_nodes for tree in trees)
         return requests
+
+    def _layout(self, inst: PromptSearch, trees: list[DraftTree]) -> list[tuple[list[int], list[int]]]:
+        """One prompt's scoring requests (prompt tokens, tree parents): a request per beam, or
+        one :class:`~vllm_specbeam.adapter.tree_prompt.SharedTree` (``scoring``). Sets ``inst.layout``.
+
+        Example (blocks of 32): four beams of 131 tokens sharing 119, scored last round as
+        requests of 126 tokens each: each recomputes its rows 96-130 (35 rows, 140 in all);
+        one shared tree recomputes the prefix's rows 96-118 once (23) plus the tails' 4 x 12
+        nodes (fewer when tails share tokens): 71 rows.
+        """
+        beams = [np.asarray(beam.tokens, np.int64) for beam in inst.state.beams]
+        shared = None
+        if self.scoring != "per-beam" and len(beams) > 1:
+            shared = tree_prompt.shared_tree(beams, trees)
+            if self.row_limit is not None and shared.num_nodes + 1 > self.row_limit:
+                shared = None  # its rows would not fit one prefill chunk
+            elif self.scoring == "auto":
+                prefix = beams[0][: shared.prefix_len]
+                shared_rows = len(prefix) - self._cached(inst, prefix) + shared.num_tail_nodes
+                if shared_rows >= sum(len(beam) - self._cached(inst, beam) for beam in beams):
+                    shared = None
+        if shared is None:
+            inst.layout = _Layout(
+                [t.num_nodes for t in trees], [(b, list(range(t.num_nodes + 1))) for b, t in enumerate(trees)]
+            )
+            linear = beams
+            requests = [
+                (beam.tolist() + tree.tokens.tolist(), tree.parents.tolist()) for beam, tree in zip(beams, trees)
+            ]
+        else:
+            inst.layout = _Layout([shared.num_nodes], [(0, rows) for rows in shared.rows])
+            linear = [beams[0][: shared.prefix_len]]
+            requests = [(linear[0].tolist() + shared.tokens, shared.parents)]
+            self.stats.shared_rounds += 1
+        block = self.block_size
+        inst.linear = (inst.linear + [(seq, (len(seq) - 1) // block * block) for seq in linear])[-3 * len(beams) :]
+        return requests
+
+    def _cached(self, inst: PromptSearch, seq: np.ndarray) -> int:
+        """How many leading tokens of ``seq`` vLLM's prefix cache holds, as far as this
+        search knows: full blocks earlier rounds computed as linear prompt rows (blocks
+        with tree rows never serve another request, ``tree_prompt.block_hash_extra_keys``).
+        An estimate: eviction and other requests' blocks are not seen."""
+        hit = 0
+        for earlier, cached in inst.linear:
+            n = min(len(seq), cached)
+            differ = np.flatnonzero(seq[:n] != earlier[:n])
+            hit = max(hit, int(differ[0]) if differ.size else n)
+        return min(hit, len(seq) - 1) // self.block_size * self.block_size
 
     def verify_round(
         self, active: list[PromptSearch], results: Sequence[Any], params: Any, selection: Selection
@@ -361,10 +449,12 @@ class SpeculativeBeamSearch:
         self.stats.rounds += 1
         position = 0
         for inst in active:
-            rows = []
-            for tree in inst.trees:
-                rows.append(tree_prompt.row_logprobs(results[position], tree.num_nodes))
-                position += 1
+            assert inst.layout is not None
+            scored = results[position : position + len(inst.layout.nodes)]
+            position += len(scored)
+            request_rows = [tree_prompt.row_logprobs(result, n) for result, n in zip(scored, inst.layout.nodes)]
+            rows = [[request_rows[request][i] for i in indices] for request, indices in inst.layout.rows]
+            self.stats.scored_rows += sum(len(r.prompt_token_ids) - (r.num_cached_tokens or 0) for r in scored)
             done = self._verify(inst, rows, params, selection)
             inst.steps += done
             self.stats.steps += done

@@ -32,12 +32,13 @@ Two things keep this exact:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from vllm_specbeam.adapter.engine_config import SCHEDULER
-from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.core.tree import ROOT, DraftTree
 
 #: ``SamplingParams.extra_args`` key holding the parents of the tree that ends the prompt
 TREE_PARENTS_KEY = "specbeam_tree_parents"
@@ -68,6 +69,17 @@ def chunking_problem(scheduler_config: Any) -> str | None:
     return None
 
 
+def tree_row_limit(scheduler_config: Any) -> int | None:
+    """The most rows (root and nodes) one prefill chunk of this engine computes;
+    ``None`` without chunked prefill (a whole prompt is one step)."""
+    if not scheduler_config.enable_chunked_prefill:
+        return None
+    limit = scheduler_config.max_num_batched_tokens
+    if scheduler_config.long_prefill_token_threshold > 0:
+        limit = min(limit, scheduler_config.long_prefill_token_threshold)
+    return int(limit)
+
+
 def check_params(params: Any, scheduler_config: Any) -> None:
     """Admission check of a tree-prompt request (fails that request only).
 
@@ -91,17 +103,14 @@ def check_params(params: Any, scheduler_config: Any) -> None:
     problem = chunking_problem(scheduler_config)
     if parents and problem is not None:
         raise TreePromptError(problem)
-    if parents and scheduler_config.enable_chunked_prefill:
-        limit = scheduler_config.max_num_batched_tokens
-        if scheduler_config.long_prefill_token_threshold > 0:
-            limit = min(limit, scheduler_config.long_prefill_token_threshold)
-        if len(parents) + 1 > limit:
-            raise TreePromptError(
-                f"a tree of {len(parents)} nodes needs its root and nodes ({len(parents) + 1} rows) in one "
-                f"prefill chunk, but this engine computes at most {limit} prompt tokens a step "
-                "(max_num_batched_tokens, long_prefill_token_threshold): draft fewer nodes or raise "
-                "--max-num-batched-tokens"
-            )
+    limit = tree_row_limit(scheduler_config)
+    if parents and limit is not None and len(parents) + 1 > limit:
+        raise TreePromptError(
+            f"a tree of {len(parents)} nodes needs its root and nodes ({len(parents) + 1} rows) in one "
+            f"prefill chunk, but this engine computes at most {limit} prompt tokens a step "
+            "(max_num_batched_tokens, long_prefill_token_threshold): draft fewer nodes or raise "
+            "--max-num-batched-tokens"
+        )
     if parents and (params.prompt_logprobs is None or params.skip_reading_prefix_cache is not False):
         raise TreePromptError(
             "a tree-prompt request needs prompt_logprobs (the tree rows' scores) and "
@@ -149,6 +158,70 @@ def request_params(parents: Sequence[int], num_logprobs: int) -> dict[str, Any]:
     if len(parents):
         kwargs.update(prompt_logprobs=num_logprobs, skip_reading_prefix_cache=False)
     return kwargs
+
+
+@dataclass(frozen=True)
+class SharedTree:
+    """Several beams of one prompt and a draft tree below each, as one tree
+    below the beams' common prefix: one request scores them all.
+
+    Beams ``[5, 7, 8, 2]`` and ``[5, 7, 9, 4]`` share ``[5, 7]``: the
+    request's prompt is ``[5, 7]`` then the tree, rooted at the ``7``. Beam
+    0's tail ``8, 2`` is nodes 0-1 and its draft tree (a 3-node chain) hangs
+    below node 1 as nodes 2-4; beam 1's tail ``9, 4`` is nodes 5-6, its
+    one-node tree node 7. Equal (parent, token) pairs are one node. Beam 0's
+    rows of :func:`row_logprobs` are ``[2, 3, 4, 5]``: its end (node 1, row
+    2), then its tree's nodes; a beam with no tail ends at the root (row 0).
+    """
+
+    #: how many leading tokens the beams share; the last of them is the root
+    prefix_len: int
+    tokens: list[int]
+    parents: list[int]
+    #: per beam: its rows in :func:`row_logprobs` order, its end first, then its tree's nodes
+    rows: list[list[int]]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_tail_nodes(self) -> int:
+        """Nodes that are the beams' own tokens (not drafted): rows a per-beam request
+        would read from its prompt instead."""
+        return self.num_nodes - sum(len(r) - 1 for r in self.rows)
+
+
+def shared_tree(beams: Sequence[Sequence[int]], trees: Sequence[DraftTree]) -> SharedTree:
+    """The beams and their trees (``trees[b]`` below ``beams[b]``) as one :class:`SharedTree`."""
+    first = beams[0]
+    prefix_len = min(len(b) for b in beams)
+    for beam in beams[1:]:
+        prefix_len = next((i for i in range(prefix_len) if beam[i] != first[i]), prefix_len)
+    if prefix_len == 0:
+        raise ValueError("beams to score in one tree must share at least their first token (the root)")
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}
+
+    def node(parent: int, token: int) -> int:
+        key = (parent, token)
+        if key not in index:
+            index[key] = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+        return index[key]
+
+    rows = []
+    for beam, tree in zip(beams, trees, strict=True):
+        end = ROOT
+        for token in beam[prefix_len:]:
+            end = node(end, int(token))
+        placed: list[int] = []
+        for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+            placed.append(node(end if parent == ROOT else placed[parent], token))
+        rows.append([end + 1] + [i + 1 for i in placed])
+    return SharedTree(prefix_len, tokens, parents, rows)
 
 
 def row_logprobs(output: Any, num_nodes: int) -> list[dict[int, Any]]:
