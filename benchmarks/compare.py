@@ -480,6 +480,8 @@ def worker(job_path: Path) -> None:
                 beam_rounds=sum(s.stats.prompt_rounds for s in searches),
                 beam_steps=sum(s.stats.steps for s in searches),
                 beam_draft_seconds=sum(s.stats.draft_seconds for s in searches),
+                beam_scored_rows=sum(s.stats.scored_rows for s in searches),
+                beam_shared_rounds=sum(s.stats.shared_rounds for s in searches),
             )
         return values
 

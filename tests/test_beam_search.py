@@ -52,6 +52,9 @@ def test_tree_prompt_rows_equal_linear_prompts(llm):
         use_tqdm=False,
     )[0]
     rows = tree_prompt.row_logprobs(scored, tree.num_nodes)
+    # logprobs at the tree's rows only (vLLM's first entry, None, then root and nodes 0-4),
+    # none at the prompt's other rows
+    assert len(scored.prompt_logprobs) == 1 + tree.num_nodes
     paths = [[]] + [tree.tokens[tree.path_to(n)].tolist() for n in range(tree.num_nodes)]
     linear = llm.generate(
         [TokensPrompt(prompt_token_ids=prompt + p) for p in paths],

@@ -512,6 +512,46 @@ class TreeRunnerMixin:
                 trees.append(StepTree(req_id, index, root_row, root, tree))
         return trees
 
+    @override
+    def _get_prompt_logprobs_dict(
+        self, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]
+    ) -> dict[str, Any]:
+        """vLLM's prompt logprobs, except that a tree-prompt request gets them only at
+        the rows :func:`~vllm_specbeam.adapter.tree_prompt.row_logprobs` reads: the
+        root and the tree's nodes, ``num_nodes`` positions. vLLM would take the logits
+        of every prompt row it computed (a beam's recomputed block, a shared tree's
+        prefix and tails): a full-vocabulary projection, softmax and top-k each.
+        """
+        from vllm.v1.outputs import LogprobsTensors
+
+        # vLLM 0.32.0 gpu_model_runner.py _get_prompt_logprobs_dict: a request stays in
+        # num_prompt_logprobs until the step that computes its last prompt row, which
+        # returns its LogprobsTensors (the output processor takes any number of positions).
+        pending = self.num_prompt_logprobs
+        ours = {
+            req_id: (pending.pop(req_id), tree)
+            for req_id, tree in self._prompt_trees.items()
+            if req_id in pending and req_id in num_scheduled_tokens
+        }
+        logprobs_dict: dict[str, Any] = super()._get_prompt_logprobs_dict(hidden_states, num_scheduled_tokens)
+        for req_id, (num_logprobs, tree) in ours.items():
+            request = self.requests[req_id]
+            start = request.num_computed_tokens
+            root = len(request.prompt_token_ids or ()) - tree.num_nodes - 1
+            if not start <= root < start + num_scheduled_tokens[req_id]:
+                pending[req_id] = num_logprobs  # a prefill chunk above the tree
+                continue
+            row = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]]) + root - start
+            logits = self.model.compute_logits(hidden_states[row : row + tree.num_nodes])  # [num_nodes, V]
+            raw = self.model_config.logprobs_mode in ("raw_logits", "processed_logits")
+            scores = logits.to(torch.float32) if raw else self.sampler.compute_logprobs(logits)
+            targets = torch.as_tensor(tree.tokens, device=logits.device)  # [num_nodes]: each row's next prompt token
+            token_ids, logprobs, ranks, *_ = self.sampler.gather_logprobs(scores, num_logprobs, targets)
+            # host sync on CUDA (one per tree-prompt request, as vLLM's own sync here)
+            logprobs_dict[req_id] = LogprobsTensors(token_ids.cpu(), logprobs.cpu(), ranks.cpu())
+            request.in_progress_prompt_logprobs_cpu = None
+        return logprobs_dict
+
     def _build_tree_step(self, trees: list[StepTree], num_tokens: int) -> cpu_attention.TreeStep | GpuTreeStep:
         """The attention layers' view of this step's trees, built once per step."""
         indices = [entry.batch_index for entry in trees]
