@@ -21,9 +21,10 @@ Two things keep this exact:
   request can hit those blocks either: their keys were computed with tree
   positions and masks, and must never serve a linear sequence that happens to
   have the same tokens.
-* **prompt logprobs are read from the end.** With prefix caching kept on
-  (``skip_reading_prefix_cache=False``) vLLM returns prompt logprobs only for
-  the rows it computed; the last ``num_nodes`` entries are always the tree's.
+* **prompt logprobs are read from the end.** The plugin's runner returns a
+  tree-prompt request's prompt logprobs at the root and the tree's rows only
+  (``num_nodes`` entries after vLLM's leading ``None``; vLLM's own would cover
+  every row it computed), so the last ``num_nodes`` entries are the tree's.
   Entry ``k`` of them was computed at the row *before* tree token ``k`` in
   the flattened order (the root, then node ``k - 1``): its top tokens are the
   target's distribution at that row, whatever token comes next in the list.
