@@ -426,6 +426,7 @@ class SpeculativeBeamSearch:
             requests = [(linear[0].tolist() + shared.tokens, shared.parents)]
             self.stats.shared_rounds += 1
         block = self.block_size
+        # about the last three rounds: this round's beams descend from theirs
         inst.linear = (inst.linear + [(seq, (len(seq) - 1) // block * block) for seq in linear])[-3 * len(beams) :]
         return requests
 
