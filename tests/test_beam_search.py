@@ -274,6 +274,30 @@ def test_prefill_chunks_end_before_a_tree_or_after_it():
             assert chunks[0][0] == 0 and all(b == c for (_, b), (c, _) in itertools.pairwise(chunks))
 
 
+def test_shared_prefix_ends_at_the_first_block_keyed_to_the_request():
+    """The engine's draft skips a scoring request's rows from ``shared_prefix_len`` on: exactly
+    the full blocks :func:`block_hash_extra_keys` keys to the request, which no prefix hit reads."""
+    from types import SimpleNamespace
+
+    from vllm_specbeam.adapter.tree_prompt import TREE_PARENTS_KEY, block_hash_extra_keys, shared_prefix_len
+
+    assert shared_prefix_len(100, 9, 32) == 64  # the docstring's example
+    keys = block_hash_extra_keys(lambda request, start, end, mm: (None, mm))
+    for prompt, nodes, block in [(100, 9, 32), (96, 31, 32), (97, 0, 32), (40, 7, 16), (300, 20, 128), (33, 31, 1)]:
+        request = SimpleNamespace(
+            request_id="r",
+            num_prompt_tokens=prompt,
+            sampling_params=SimpleNamespace(extra_args={TREE_PARENTS_KEY: [-1] * nodes}),
+        )
+        own = [keys(request, b * block, (b + 1) * block, 0)[0] is not None for b in range(prompt // block)]
+        shared = shared_prefix_len(prompt, nodes, block)
+        assert shared % block == 0 and own == [(b + 1) * block > shared for b in range(prompt // block)], (
+            prompt,
+            nodes,
+            block,
+        )
+
+
 def test_worker_drafting_needs_no_insecure_serialization(engines, near_draft, monkeypatch):
     """The rounds' calls into the worker carry plain lists, so a default engine (vLLM refuses
     pickled objects unless VLLM_ALLOW_INSECURE_SERIALIZATION, which the other tests set) searches."""

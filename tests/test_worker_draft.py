@@ -170,10 +170,31 @@ def _search_pool(worker) -> dict:
     return {"keys": len(runtime.pool.rows), "blocks": runtime.pool.num_blocks, "live": runtime.live_requests}
 
 
+def _count_sync_rows(worker) -> None:
+    """Count the rows the engine's draft is fed after each step (``sync_step``) in ``sync_rows``."""
+    runtime, counts = worker.model_runner.draft_runtime, worker.model_runner.tree_counts
+    runtime.sync_rows, sync_step = 0, runtime.sync_step
+
+    def counted() -> None:
+        before = counts.draft_rows
+        sync_step()
+        runtime.sync_rows += counts.draft_rows - before
+
+    runtime.sync_step = counted
+
+
+def _sync_rows(worker) -> int:
+    return worker.model_runner.draft_runtime.sync_rows
+
+
 def test_beam_search_drafts_in_the_worker_with_exact_logits_and_frees_its_blocks(engines, wide_draft: str) -> None:
     """The speculative beam search drafts on the engine's own draft in the worker, its K/V in
     blocks of its own: every row (prefixes, beams' tails fed as one tree, drafted depths, over
-    rounds) equals transformers on the plain sequence, and the blocks go when the search ends."""
+    rounds) equals transformers on the plain sequence, and the blocks go when the search ends.
+
+    The engine's own draft is fed none of the scoring requests' tree rows (their blocks serve no
+    later request), yet a later request hitting the blocks of their shared prefix drafts exactly."""
+    from vllm import SamplingParams
     from vllm.sampling_params import BeamSearchParams
 
     from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch, WorkerForests
@@ -183,9 +204,12 @@ def test_beam_search_drafts_in_the_worker_with_exact_logits_and_frees_its_blocks
     search = SpeculativeBeamSearch(llm)
     assert isinstance(search.forests, WorkerForests)  # no draft in this process
     llm.collective_rpc(_record, args=("search_draft_runtime",))
+    llm.collective_rpc(_count_sync_rows)
     prompts = [make_prompts(10)[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
     params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
     ours = search.run(prompts, params)
+    # fed before: every row the target computed, trees included (scored_rows counts both)
+    assert 0 < llm.collective_rpc(_sync_rows)[0] <= search.stats.scored_rows - search.stats.draft_nodes
     assert [[s.tokens for s in o.sequences] for o in ours] == [
         [s.tokens for s in o.sequences] for o in llm.beam_search(prompts, params)
     ]
@@ -195,6 +219,13 @@ def test_beam_search_drafts_in_the_worker_with_exact_logits_and_frees_its_blocks
     assert result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL, result["worst"]
     assert search.stats.rounds > 1 and search.stats.draft_nodes > 0
     assert llm.collective_rpc(_search_pool) == [{"keys": 0, "blocks": 0, "live": 0}]
+
+    llm.collective_rpc(_record)
+    later = llm.generate([prompts[2] + " and then some more"], SamplingParams(temperature=0.0, max_tokens=6))[0]
+    assert later.num_cached_tokens > 0  # blocks a scoring request computed
+    result = llm.collective_rpc(_check, args=(wide_draft,))[0]
+    assert result["counts"]["sync"] > 0 and result["counts"]["extend"] > 0
+    assert result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL, result["worst"]
     engines.close()
 
 

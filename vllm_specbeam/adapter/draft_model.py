@@ -65,6 +65,7 @@ from vllm_specbeam.adapter.attention.step import (
     tree_step,
 )
 from vllm_specbeam.adapter.engine_config import plugin_config
+from vllm_specbeam.adapter.tree_prompt import shared_prefix_len
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig, SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT, committed_path
 from vllm_specbeam.draft_runtime import vocab
@@ -345,6 +346,11 @@ class WorkerDraftRuntime:
         feeds = []
         for index, req_id in enumerate(batch.req_ids):
             end = min(int(batch.num_tokens_no_spec[index]), self._capacity(req_id, 0))
+            tree = self.runner.prompt_tree(req_id)
+            if tree is not None:
+                # A beam search's scoring request: blocks from its tree's root's on serve no later
+                # request, so their draft K/V would never be read (and its tree rows are no sequence).
+                end = min(end, shared_prefix_len(int(batch.num_prompt_tokens[index]), tree.num_nodes, self.block_size))
             request = self._request(req_id)
             if request.valid >= end:  # most steps: sync_many already fed it (no copy of the context then)
                 continue
@@ -434,6 +440,7 @@ class WorkerDraftRuntime:
         rows = torch.stack([f.blocks for f in feeds]).to(device)  # [R, max_blocks]
         counts = [len(f.tokens) for f in feeds]
         starts = np.concatenate([[0], np.cumsum(counts)])  # [R + 1]
+        self.runner.tree_counts.draft_rows += int(starts[-1])
         slots = torch.cat([self._slots(f.blocks, f.slots) for f in feeds]).to(device)  # [T]
         query_start = torch.from_numpy(starts.astype(np.int32))  # [R + 1]
         seq_lens = torch.tensor([f.seq_len for f in feeds], dtype=torch.int32)  # [R]

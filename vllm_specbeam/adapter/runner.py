@@ -216,8 +216,9 @@ class TreeCounts:
     depth_sum: int = 0
     kv_moves: int = 0
     draft_seconds: float = 0.0
-    #: forwards of an in-worker draft model (drafting and catching up on committed tokens)
+    #: forwards of an in-worker draft model (drafting and catching up on committed tokens), and their rows
     draft_forwards: int = 0
+    draft_rows: int = 0
     #: committed tokens whose draft K/V an in-worker draft kept from its tree (not fed again),
     #: and how many of those it moved to their committed slot (accepted nodes off the first branch)
     draft_kv_kept: int = 0
@@ -284,6 +285,10 @@ class TreeRunnerMixin:
                 "started with dsbd and its draft"
             )
         return SearchDraftRuntime(self.draft_runtime)
+
+    def prompt_tree(self, req_id: str) -> DraftTree | None:
+        """The tree ending a tree-prompt request's prompt (:mod:`~vllm_specbeam.adapter.tree_prompt`), else ``None``."""
+        return self._prompt_trees.get(req_id)
 
     @property
     def tree_stats(self) -> dict[str, int | float]:

@@ -261,3 +261,11 @@ def block_hash_extra_keys(stock: Any) -> Any:
         return keys, next_mm_idx
 
     return generate_block_hash_extra_keys
+
+
+def shared_prefix_len(num_prompt_tokens: int, num_nodes: int, block_size: int) -> int:
+    """The leading tokens of a tree-prompt request that sit in cache blocks other requests may hit:
+    the full blocks before the root's (:func:`block_hash_extra_keys` keys the rest to the request,
+    and vLLM hashes full blocks only). Example: 100 prompt tokens ending in a 9-node tree, blocks
+    of 32: the root is token 90, blocks 0-1 (tokens 0-63) may be shared, block 2 holds the root."""
+    return (num_prompt_tokens - num_nodes - 1) // block_size * block_size
