@@ -348,8 +348,8 @@ class WorkerDraftRuntime:
             end = min(int(batch.num_tokens_no_spec[index]), self._capacity(req_id, 0))
             tree = self.runner.prompt_tree(req_id)
             if tree is not None:
-                # A beam search's scoring request: blocks from its tree's root's on serve no later
-                # request, so their draft K/V would never be read (and its tree rows are no sequence).
+                # a beam search's scoring request: only the blocks before its tree's root can serve
+                # a later prefix hit; the draft K/V of the rest would never be read
                 end = min(end, shared_prefix_len(int(batch.num_prompt_tokens[index]), tree.num_nodes, self.block_size))
             request = self._request(req_id)
             if request.valid >= end:  # most steps: sync_many already fed it (no copy of the context then)

@@ -511,7 +511,7 @@ class TreeRunnerMixin:
             if index is None:
                 continue
             computed = int(self.input_batch.num_computed_tokens_cpu[index])
-            root = self.requests[req_id].num_prompt_tokens - tree.num_nodes - 1
+            root = tree_prompt.tree_root(self.requests[req_id].num_prompt_tokens, tree.num_nodes)
             if computed <= root < computed + int(num_scheduled_tokens[index]):
                 root_row = int(self.query_start_loc.np[index]) + root - computed
                 trees.append(StepTree(req_id, index, root_row, root, tree))
@@ -542,7 +542,7 @@ class TreeRunnerMixin:
         for req_id, (num_logprobs, tree) in ours.items():
             request = self.requests[req_id]
             start = request.num_computed_tokens
-            root = len(request.prompt_token_ids or ()) - tree.num_nodes - 1
+            root = tree_prompt.tree_root(len(request.prompt_token_ids or ()), tree.num_nodes)
             if not start <= root < start + num_scheduled_tokens[req_id]:
                 pending[req_id] = num_logprobs  # a prefill chunk above the tree
                 continue

@@ -63,6 +63,12 @@ def tree_parents(extra_args: Mapping[str, Any] | None) -> list[int] | None:
     return extra_args[TREE_PARENTS_KEY]
 
 
+def tree_root(num_prompt_tokens: int, num_nodes: int) -> int:
+    """Index of the root of the tree ending a prompt: its last token before the tree's rows.
+    Example: a 10-token prompt ending in a 3-node tree has its root at 6 (rows 6-9)."""
+    return num_prompt_tokens - num_nodes - 1
+
+
 def chunking_problem(scheduler_config: Any) -> str | None:
     """Why this engine's prefill chunks may split a tree, or ``None``."""
     if scheduler_config.enable_chunked_prefill and scheduler_config.scheduler_cls != SCHEDULER:
@@ -128,7 +134,7 @@ def whole_tree_chunk(num_prompt_tokens: int, num_nodes: int, start: int, num_new
     (6 tokens); from 6 it takes rows 6-9 when there is room for 4, and waits (0)
     with room for 3. A chunk that starts past the root is left alone.
     """
-    root = num_prompt_tokens - num_nodes - 1
+    root = tree_root(num_prompt_tokens, num_nodes)
     if start <= root < start + num_new_tokens < num_prompt_tokens:
         return root - start
     return num_new_tokens
@@ -254,10 +260,8 @@ def block_hash_extra_keys(stock: Any) -> Any:
     ) -> tuple[tuple[Any, ...] | None, int]:
         keys, next_mm_idx = stock(request, start_token_idx, end_token_idx, start_mm_idx)
         parents = tree_parents(getattr(request.sampling_params, "extra_args", None))
-        if parents:
-            root = request.num_prompt_tokens - len(parents) - 1
-            if end_token_idx > root:
-                keys = (*(keys or ()), ("specbeam_tree", request.request_id))
+        if parents and end_token_idx > tree_root(request.num_prompt_tokens, len(parents)):
+            keys = (*(keys or ()), ("specbeam_tree", request.request_id))
         return keys, next_mm_idx
 
     return generate_block_hash_extra_keys
@@ -268,4 +272,4 @@ def shared_prefix_len(num_prompt_tokens: int, num_nodes: int, block_size: int) -
     the full blocks before the root's (:func:`block_hash_extra_keys` keys the rest to the request,
     and vLLM hashes full blocks only). Example: 100 prompt tokens ending in a 9-node tree, blocks
     of 32: the root is token 90, blocks 0-1 (tokens 0-63) may be shared, block 2 holds the root."""
-    return (num_prompt_tokens - num_nodes - 1) // block_size * block_size
+    return tree_root(num_prompt_tokens, num_nodes) // block_size * block_size
