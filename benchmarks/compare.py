@@ -158,7 +158,7 @@ class Setting:
     beam_width: int | None = None
     #: with ``beam_width``: the plugin's speculative beam search instead of vLLM's
     speculative: bool = False
-    #: the speculative beam search's draft depth (None: the engine's ``num_speculative_tokens``)
+    #: the speculative beam search's draft depth (None: ``auto``, chosen per round)
     beam_depth: int | None = None
 
 
@@ -305,14 +305,14 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             status[SPEC_BEAM] = MethodStatus("plugin")
             beam_settings = [
                 Setting(
-                    f"w{w}" if d is None else f"w{w}-d{d}",
+                    f"w{w}-auto" if d is None else f"w{w}-d{d}",
                     {"beam_width": w} if d is None else {"beam_width": w, "depth": d},
                     beam_width=w,
                     speculative=True,
                     beam_depth=d,
                 )
                 for w in args.beam_widths or BEAM_GRID[args.sweep]
-                for d in args.beam_depths or [None]
+                for d in [None if d == "auto" else int(d) for d in args.beam_depths or ["auto"]]
             ]
             engines.append(
                 EngineSpec(
@@ -482,6 +482,7 @@ def worker(job_path: Path) -> None:
                 beam_draft_seconds=sum(s.stats.draft_seconds for s in searches),
                 beam_scored_rows=sum(s.stats.scored_rows for s in searches),
                 beam_shared_rounds=sum(s.stats.shared_rounds for s in searches),
+                beam_drafted_depths=sum(s.stats.drafted_depths for s in searches),
             )
         return values
 
@@ -1036,7 +1037,11 @@ def assemble(
                     "accepted_per_step": figures.accepted_per_step,
                     "acceptance_rate": figures.acceptance_rate,
                     "mean_width": metrics.ratio(counters.get("tree_beam_width_sum"), counters.get("tree_beam_depths")),
-                    "mean_depth": metrics.ratio(counters.get("tree_depth_sum"), counters.get("tree_trees")),
+                    "mean_depth": (
+                        metrics.ratio(counters.get("beam_drafted_depths"), counters.get("beam_rounds"))
+                        if engine.method == SPEC_BEAM
+                        else metrics.ratio(counters.get("tree_depth_sum"), counters.get("tree_trees"))
+                    ),
                     "nodes_per_tree": metrics.ratio(counters.get("tree_nodes"), counters.get("tree_trees")),
                     "step_cost": record.get("step_cost"),
                     "draft_forwards_per_token": metrics.ratio(counters.get("tree_draft_forwards"), output_tokens),
@@ -1073,6 +1078,13 @@ def assemble(
         elif run["temperature"] == 0 and run["method"] != "beam_search":
             run["exact_match"] = metrics.exact_match(run["outputs"], base["outputs"])
     return runs
+
+
+def _beam_depth(value: str) -> str:
+    """``--beam-depths``: a depth of at least 1, or ``auto``."""
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"a beam depth is a number of at least 1 or 'auto', got {value!r}")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1129,10 +1141,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--beam-depths",
-        type=int,
+        type=_beam_depth,
         nargs="+",
         default=None,
-        help="the speculative beam search's draft depths, each a setting (default: the engine's depth)",
+        help="the speculative beam search's draft depths, each a setting: numbers or auto (the default: "
+        "chosen per round from measured costs)",
     )
     parser.add_argument("--dtype", default="float32", help="float32 is faster than bfloat16 on CPUs without bf16")
     parser.add_argument(

@@ -177,7 +177,7 @@ def test_schema_best_setting_and_table(tmp_path):
 def test_beam_table_lists_every_width_side_by_side():
     assert metrics.beam_table(synthetic_runs()) == ""  # no beam search ran: no table
 
-    def beam(method, width, tps, steps_per_token=None, speedup=None, exact=None):
+    def beam(method, width, tps, steps_per_token=None, speedup=None, exact=None, depth=None):
         return {
             "method": method,
             "setting": {"beam_width": width},
@@ -190,24 +190,25 @@ def test_beam_table_lists_every_width_side_by_side():
             "draft_time_share": None,
             "mean_loglik_per_token": -0.5,
             "exact_match": exact,
+            "mean_depth": depth,
         }
 
     # mjsd's beam_width option is no beam search: not in the table
     mjsd = {**beam("mjsd", 4, 5.0), "beam_width": None, "setting_label": "b4"}
     runs = [
         mjsd,
-        beam(compare.SPEC_BEAM, 4, 3.0, 0.25, 1.5, 1.0),
+        beam(compare.SPEC_BEAM, 4, 3.0, 0.25, 1.5, 1.0, depth=3.5),
         beam("beam_search", 4, 2.0, speedup=1.0),
         beam("beam_search", 2, 4.0, speedup=1.0),
-        beam(compare.SPEC_BEAM, 2, 6.0, 0.5, 1.5, 1.0),
+        beam(compare.SPEC_BEAM, 2, 6.0, 0.5, 1.5, 1.0, depth=5.25),
     ]
     rows = [line for line in metrics.beam_table(runs).splitlines() if line.startswith("| 1 ")]
     # widths in order, vLLM's first; 1 / steps-per-token = tokens per target pass (vLLM's: 1)
     assert rows == [
-        "| 1 | beam_search | w2 | 4.0 | 1.00 | 1.00 | – | -0.500 | – |",
-        f"| 1 | {compare.SPEC_BEAM} | w2 | 6.0 | 1.50 | 2.00 | – | -0.500 | 1.00 |",
-        "| 1 | beam_search | w4 | 2.0 | 1.00 | 1.00 | – | -0.500 | – |",
-        f"| 1 | {compare.SPEC_BEAM} | w4 | 3.0 | 1.50 | 4.00 | – | -0.500 | 1.00 |",
+        "| 1 | beam_search | w2 | – | 4.0 | 1.00 | 1.00 | – | -0.500 | – |",
+        f"| 1 | {compare.SPEC_BEAM} | w2 | 5.25 | 6.0 | 1.50 | 2.00 | – | -0.500 | 1.00 |",
+        "| 1 | beam_search | w4 | – | 2.0 | 1.00 | 1.00 | – | -0.500 | – |",
+        f"| 1 | {compare.SPEC_BEAM} | w4 | 3.50 | 3.0 | 1.50 | 4.00 | – | -0.500 | 1.00 |",
     ]
 
 
@@ -299,13 +300,15 @@ def test_plan_follows_plugin_methods(monkeypatch):
     )
     assert [e.id for e in engines] == [compare.SPEC_BEAM, "beam_search", "none"] and "dsbd" not in status
     assert engines[0].speculative_config["draft_dtype"] == "bfloat16"
-    assert [s.beam_depth for s in engines[0].settings] == [None, None]  # the engine's depth
+    assert [(s.label, s.beam_depth) for s in engines[0].settings] == [("w2-auto", None), ("w4-auto", None)]
     # draft depths of the speculative search: one setting per width and depth, vLLM's widths unchanged
     _, engines = compare.plan(
-        plan_args(draft="d", draft_path="/d", beam_depths=[3, 5], methods=["none", compare.SPEC_BEAM, "beam_search"])
+        plan_args(
+            draft="d", draft_path="/d", beam_depths=["auto", "5"], methods=["none", compare.SPEC_BEAM, "beam_search"]
+        )
     )
     assert [(s.label, s.beam_width, s.beam_depth) for s in engines[0].settings] == [
-        ("w2-d3", 2, 3), ("w2-d5", 2, 5), ("w4-d3", 4, 3), ("w4-d5", 4, 5)
+        ("w2-auto", 2, None), ("w2-d5", 2, 5), ("w4-auto", 4, None), ("w4-d5", 4, 5)
     ]  # fmt: skip
     assert [s.label for s in engines[1].settings] == ["w2", "w4"]
     # in-engine dsbd beside its chain (max_width 1 at draft_model's K): no beam search unless named
