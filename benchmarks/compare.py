@@ -158,7 +158,7 @@ class Setting:
     beam_width: int | None = None
     #: with ``beam_width``: the plugin's speculative beam search instead of vLLM's
     speculative: bool = False
-    #: the speculative beam search's draft depth (None: ``auto``, chosen per round)
+    #: the speculative beam search's draft depth (None: the engine's ``num_speculative_tokens``)
     beam_depth: int | None = None
 
 
@@ -305,14 +305,14 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             status[SPEC_BEAM] = MethodStatus("plugin")
             beam_settings = [
                 Setting(
-                    f"w{w}-auto" if d is None else f"w{w}-d{d}",
+                    f"w{w}" if d is None else f"w{w}-d{d}",
                     {"beam_width": w} if d is None else {"beam_width": w, "depth": d},
                     beam_width=w,
                     speculative=True,
                     beam_depth=d,
                 )
                 for w in args.beam_widths or BEAM_GRID[args.sweep]
-                for d in [None if d == "auto" else int(d) for d in args.beam_depths or ["auto"]]
+                for d in args.beam_depths or [None]
             ]
             engines.append(
                 EngineSpec(
@@ -1080,13 +1080,6 @@ def assemble(
     return runs
 
 
-def _beam_depth(value: str) -> str:
-    """``--beam-depths``: a depth of at least 1, or ``auto``."""
-    if value != "auto" and not (value.isdigit() and int(value) >= 1):
-        raise argparse.ArgumentTypeError(f"a beam depth is a number of at least 1 or 'auto', got {value!r}")
-    return value
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1141,11 +1134,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--beam-depths",
-        type=_beam_depth,
+        type=int,
         nargs="+",
         default=None,
-        help="the speculative beam search's draft depths, each a setting: numbers or auto (the default: "
-        "chosen per round from measured costs)",
+        help="the speculative beam search's draft depths, each a setting (default: the engine's depth)",
     )
     parser.add_argument("--dtype", default="float32", help="float32 is faster than bfloat16 on CPUs without bf16")
     parser.add_argument(

@@ -347,7 +347,7 @@ def offline_table(runs: Sequence[Mapping[str, Any]]) -> str:
 BEAM_COLUMNS = (
     ("batch", "batch_size", 0),
     ("method", "method", 0),
-    ("width", "setting_label", 0),  # w4, or w4-d3 / w4-auto with the speculative search's draft depth
+    ("width", "setting_label", 0),  # w4, or w4-d3 with the speculative search's draft depth
     ("draft depth (mean)", "mean_depth", 2),
     ("tok/s (median)", "tokens_per_s", 1),
     ("vs vLLM beam search", "speedup_vs_beam_search", 2),

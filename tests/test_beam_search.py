@@ -155,16 +155,14 @@ def assert_same_search(ours, theirs) -> None:
 @pytest.mark.parametrize("width,ignore_eos,scoring", [(2, True, "per-beam"), (3, False, "auto"), (3, True, "shared")])
 def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos, scoring):
     """Each beam scored as its own request, or a prompt's beams as one tree below their common
-    prefix (their tails as tree rows), or whichever computes fewer rows: vLLM's beams each time.
-    ``auto`` scoring runs with the depth chosen per round too, the others at the engine's."""
+    prefix (their tails as tree rows), or whichever computes fewer rows: vLLM's beams each time."""
     from vllm.sampling_params import BeamSearchParams
 
-    from vllm_specbeam.adapter.beam_search import MAX_AUTO_DEPTH, SpeculativeBeamSearch
+    from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
 
     prompts = make_prompts(5, seed=1)  # at width 3, prompt 0 has EOS-completed beams among its best
     params = BeamSearchParams(beam_width=width, max_tokens=24, ignore_eos=ignore_eos)
-    search = SpeculativeBeamSearch(llm, None if scoring == "auto" else DEPTH, scoring=scoring)
-    depth = search.depth or MAX_AUTO_DEPTH
+    search = SpeculativeBeamSearch(llm, scoring=scoring)
     llm.collective_rpc(_count_search_forwards)
     ours = search.run(prompts, params)
     batches = llm.collective_rpc(_search_batches)[0]
@@ -181,10 +179,11 @@ def test_speculative_beam_search_equals_vllm_beam_search(llm, width, ignore_eos,
     assert search.stats.steps == 24 * len(prompts) or not ignore_eos
     assert ignore_eos or any(s.tokens[-1] == llm.get_tokenizer().eos_token_id for o in theirs for s in o.sequences)
     # some drafted depths were accepted and some not: the comparison has teeth
-    assert 1 < search.stats.steps_per_round < depth + 1
-    assert 0 < search.stats.drafted_depths / search.stats.prompt_rounds <= depth
+    assert 1 < search.stats.steps_per_round < DEPTH + 1
+    # every round drafts the engine's depth, less near max_tokens
+    assert 0 < search.stats.drafted_depths / search.stats.prompt_rounds <= DEPTH
     # the prompts are drafted together: one draft forward per depth for all of them
-    assert max(batches) == len(prompts) and len(batches) < search.stats.rounds * (depth + 1) + len(prompts)
+    assert max(batches) == len(prompts) and len(batches) < search.stats.rounds * (DEPTH + 1) + len(prompts)
 
 
 #: vLLM's default chunked prefill, with chunks of 64 tokens: every prompt but the shortest is split

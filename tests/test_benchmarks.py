@@ -300,15 +300,13 @@ def test_plan_follows_plugin_methods(monkeypatch):
     )
     assert [e.id for e in engines] == [compare.SPEC_BEAM, "beam_search", "none"] and "dsbd" not in status
     assert engines[0].speculative_config["draft_dtype"] == "bfloat16"
-    assert [(s.label, s.beam_depth) for s in engines[0].settings] == [("w2-auto", None), ("w4-auto", None)]
+    assert [s.beam_depth for s in engines[0].settings] == [None, None]  # the engine's depth
     # draft depths of the speculative search: one setting per width and depth, vLLM's widths unchanged
     _, engines = compare.plan(
-        plan_args(
-            draft="d", draft_path="/d", beam_depths=["auto", "5"], methods=["none", compare.SPEC_BEAM, "beam_search"]
-        )
+        plan_args(draft="d", draft_path="/d", beam_depths=[3, 5], methods=["none", compare.SPEC_BEAM, "beam_search"])
     )
     assert [(s.label, s.beam_width, s.beam_depth) for s in engines[0].settings] == [
-        ("w2-auto", 2, None), ("w2-d5", 2, 5), ("w4-auto", 4, None), ("w4-d5", 4, 5)
+        ("w2-d3", 2, 3), ("w2-d5", 2, 5), ("w4-d3", 4, 3), ("w4-d5", 4, 5)
     ]  # fmt: skip
     assert [s.label for s in engines[1].settings] == ["w2", "w4"]
     # in-engine dsbd beside its chain (max_width 1 at draft_model's K): no beam search unless named

@@ -14,7 +14,6 @@ from test_lookup_tree_engine import greedy, runner_stats, token_ids
 
 from vllm_specbeam.core import budget as budget_module
 from vllm_specbeam.core.budget import (
-    DepthBudget,
     StepBudget,
     StepCost,
     StepCostModel,
@@ -141,70 +140,6 @@ def test_constant_rows_still_give_a_line():
         model.observe(10, 0.02)
     line = model.fit()
     assert line.slope > 0 and float(line.seconds(10)) == pytest.approx(0.02, rel=0.01)
-
-
-# ------------------------------------------------------------------ the beam search's depth
-def test_depth_budget_judges_each_depth_a_round_reached():
-    budget = DepthBudget(initial_depth=4, max_depth=6)
-    budget.observe_prompt(4, 3, censored=False)  # depths 1, 2 passed; 3 reached and missed
-    assert budget.counts.trials.tolist() == [1, 1, 1, 0, 0, 0] and budget.counts.hits.tolist() == [1, 1, 0, 0, 0, 0]
-    budget.observe_prompt(4, 3, censored=True)  # stopped for another reason at step 3: depth 3 not tried
-    assert budget.counts.trials.tolist() == [2, 2, 1, 0, 0, 0] and budget.counts.hits.tolist() == [2, 2, 0, 0, 0, 0]
-    budget.observe_prompt(4, 5, censored=False)  # every drafted depth passed; depth 5 was not drafted
-    assert budget.counts.trials.tolist() == [3, 3, 2, 1, 0, 0] and budget.counts.hits.tolist() == [3, 3, 1, 1, 0, 0]
-    rates = budget.rates()  # depths never tried take the rate above them
-    assert rates[4] == rates[5] == pytest.approx(rates[3]) and rates[3] < 1.0
-
-
-def test_depth_budget_worked_example():
-    budget = DepthBudget(initial_depth=2, max_depth=8)
-    budget.rates = lambda: np.array([1.0, 0.9, 0.9, 0.5, 0.5, 0.5, 0.5, 0.5])  # type: ignore[method-assign]
-    budget.target_cost, budget.draft_cost = _FixedCost(StepCost(3.0, 0.0)), _FixedCost(StepCost(0.0, 0.4))
-    assert budget.choose(prompts=1) == 2  # nothing timed yet
-    budget.observe_round(1, 10, 3.0, 0, 2, draft_seconds=0.8)
-    assert budget.choose(prompts=1) == 4
-
-
-@pytest.mark.parametrize(
-    ("pass_rates", "prompts"),
-    [
-        ([1.0, 0.95, 0.95, 0.95, 0.95, 0.95, 0.95, 0.95], 1),  # rounds that reach deep: more than the first 4
-        ([1.0, 0.9, 0.7, 0.05, 0.0, 0.0, 0.0, 0.0], 4),  # rounds that end by depth 4: fewer
-        ([0.6, 0.3, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0], 2),
-    ],
-)
-def test_depth_budget_learns_the_best_depth(pass_rates, prompts):
-    """Rounds simulated from known pass rates and cost lines; after a while the
-    chosen depth's throughput is the best brute force finds."""
-    rng = np.random.default_rng(1)
-    rates = np.array(pass_rates)
-    other_rows, nodes_per_depth = 30, 4  # per prompt
-    target, draft = StepCost(2.0, 0.02), StepCost(0.3, 0.15)
-
-    def throughput(depth: int) -> float:
-        tokens = prompts * (1 + np.cumprod(rates)[:depth].sum())
-        rows = prompts * (other_rows + nodes_per_depth * depth)
-        return tokens / (target.seconds(rows) + draft.seconds(depth))
-
-    budget = DepthBudget(initial_depth=4, max_depth=8)
-    for _ in range(300):
-        depth = budget.choose(prompts)
-        for _ in range(prompts):
-            passes = rng.random(depth) < rates[:depth]  # depth d passes when d - 1 did and this draw says so
-            passed = depth if passes.all() else int(np.argmin(passes))
-            budget.observe_prompt(depth, passed + 1, censored=False)
-        rows = prompts * (other_rows + nodes_per_depth * depth + int(rng.integers(-5, 6)))
-        budget.observe_round(
-            prompts,
-            rows,
-            float(target.seconds(rows)) * rng.normal(1, 0.02),
-            prompts * nodes_per_depth * depth,
-            depth,
-            float(draft.seconds(depth)) * rng.normal(1, 0.02),
-        )
-    best = max(range(1, 9), key=throughput)
-    assert throughput(budget.choose(prompts)) >= 0.97 * throughput(best)
-    assert (best > 4) == (pass_rates[3] > 0.5)  # the cases need the search to go deeper, and shallower
 
 
 # ------------------------------------------------------------------ the budget over steps

@@ -5,10 +5,10 @@ advances every beam one token per engine step: each beam is submitted as a
 one-token request with ``logprobs=2W``, the beams' candidates are pooled per
 prompt and the ``W`` best by score survive. :func:`beam_search` returns the
 same thing (same arguments, same :class:`BeamSearchOutput`, the same beams)
-but a round advances up to ``D + 1`` tokens, ``D`` the draft depth:
+but a round advances up to ``num_speculative_tokens + 1`` tokens:
 
 1. **Draft.** The draft model runs the same beam search from the ``W``
-   target beams for ``D`` depths, keeping the
+   target beams for ``num_speculative_tokens`` depths, keeping the
    ``draft_width`` best (beam, token) pairs per depth jointly over all beams,
    scores starting from the target beams' own: a forest, one tree per beam
    (:func:`~vllm_specbeam.methods.dsbd.drafter.draft_forests`). The draft
@@ -31,13 +31,6 @@ but a round advances up to ``D + 1`` tokens, ``D`` the draft depth:
    draft missed ends the round (the survivors themselves are exact: they
    were chosen from scored rows).
 
-``D`` is ``num_speculative_tokens`` when given; by default each round picks it
-from what the search measured: how often its rounds pass each depth and what
-a draft depth and a scored row cost
-(:class:`~vllm_specbeam.core.budget.DepthBudget`, one per beam width). At
-width 2 rounds often pass depth 4, at width 4 seldom (the first depth whose
-survivor the draft missed ends a round), so no one depth suits both.
-
 So the output is vLLM's beam search's output, computed with fewer target
 passes; only the tree rows' floating-point rounding differs from a plain
 prefill, which can flip exact ties. Deterministic beam search only
@@ -47,7 +40,7 @@ prefill, which can flip exact ties. Deterministic beam search only
 server's ``use_beam_search``.
 
 Use it on an engine started with the ``dsbd`` method (its ``model`` is the
-draft; its ``num_speculative_tokens`` the first round's depth)::
+draft; ``num_speculative_tokens`` the draft depth)::
 
     llm = LLM(target, speculative_config={"method": "dsbd", "model": draft}, enable_prefix_caching=True)
     outputs = beam_search(llm, prompts, BeamSearchParams(beam_width=4, max_tokens=64))
@@ -66,15 +59,11 @@ import numpy as np
 
 from vllm_specbeam.adapter import tree_prompt
 from vllm_specbeam.adapter.engine_config import plugin_config
-from vllm_specbeam.core.budget import DepthBudget
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.dsbd.drafter import ForestRequest
 
 _SEARCH_IDS = itertools.count()
-
-#: the deepest an ``auto``-depth search drafts (or the engine's depth, when deeper)
-MAX_AUTO_DEPTH = 8
 
 
 @dataclass
@@ -95,7 +84,7 @@ class BeamSearchStats:
     scored_rows: int = 0
     #: prompt-rounds scored as one shared tree (the others: one request per beam)
     shared_rounds: int = 0
-    #: draft depths, summed over prompt-rounds
+    #: draft depths, summed over prompt-rounds (below ``num_speculative_tokens`` near ``max_tokens``)
     drafted_depths: int = 0
 
     @property
@@ -234,10 +223,6 @@ class PromptSearch:
     #: sequences scored as linear prompt rows (newest last), with the leading tokens each left
     #: in vLLM's prefix cache: full blocks before its root's block
     linear: list[tuple[np.ndarray, int]] = field(default_factory=list)
-    #: this round: the depth drafted, the draft's seconds, when the draft returned
-    depth: int = 0
-    draft_seconds: float = 0.0
-    drafted_at: float = 0.0
 
 
 class WorkerForests:
@@ -292,25 +277,17 @@ class SpeculativeBeamSearch:
         scoring: str = "auto",
     ) -> None:
         """``engine``: an ``LLM`` (for :meth:`run`) or the server's engine client
-        (an ``AsyncLLM``, for :mod:`vllm_specbeam.adapter.beam_search_server`).
-        ``num_speculative_tokens``: a fixed draft depth; ``None`` (the default) lets each
-        round choose from measured costs (:class:`~vllm_specbeam.core.budget.DepthBudget`),
-        starting at the engine's ``num_speculative_tokens``, at most ``MAX_AUTO_DEPTH``."""
+        (an ``AsyncLLM``, for :mod:`vllm_specbeam.adapter.beam_search_server`)."""
         vllm_config = getattr(engine, "llm_engine", engine).vllm_config
         problem = engine_problem(vllm_config)
         if problem:
             raise SpecbeamConfigError(problem)
         options = plugin_config(vllm_config).options
         self.engine = engine
-        if (num_speculative_tokens is not None and num_speculative_tokens < 1) or (
-            draft_width is not None and draft_width < 1
-        ):
-            raise ValueError("num_speculative_tokens and draft_width must be at least 1 (or None: chosen per round)")
-        #: the fixed draft depth, or ``None``: chosen per round by a budget per beam width
-        self.depth = num_speculative_tokens
-        self._engine_depth = options["num_speculative_tokens"]
-        self._depth_budgets: dict[int, DepthBudget] = {}
+        self.depth = num_speculative_tokens or options["num_speculative_tokens"]
         self.draft_width = draft_width
+        if self.depth < 1 or (draft_width is not None and draft_width < 1):
+            raise ValueError("num_speculative_tokens and draft_width must be at least 1")
         if scoring not in self.SCORING:
             raise ValueError(f"scoring must be one of {self.SCORING}, got {scoring!r}")
         self.scoring = scoring
@@ -372,7 +349,7 @@ class SpeculativeBeamSearch:
         per target beam: the beam with its tree appended."""
         start = time.perf_counter()
         forests = self.forests.draft(self._forest_requests(active, params), self._width(params), eos)
-        self._drafted(active, start)
+        self.stats.draft_seconds += time.perf_counter() - start
         return self._scoring_requests(active, params, forests)
 
     async def draft_round_async(
@@ -381,39 +358,23 @@ class SpeculativeBeamSearch:
         """:meth:`draft_round` for the server's event loop."""
         start = time.perf_counter()
         forests = await self.forests.draft_async(self._forest_requests(active, params), self._width(params), eos)
-        self._drafted(active, start)
+        self.stats.draft_seconds += time.perf_counter() - start
         return self._scoring_requests(active, params, forests)
-
-    def _drafted(self, active: list[PromptSearch], start: float) -> None:
-        now = time.perf_counter()
-        self.stats.draft_seconds += now - start
-        for inst in active:
-            inst.draft_seconds, inst.drafted_at = now - start, now
 
     def _width(self, params: Any) -> int:
         return self.draft_width or 2 * params.beam_width
 
-    def _depth_budget(self, params: Any) -> DepthBudget:
-        """The ``auto`` depth's budget for this beam width (acceptance depends on it)."""
-        if params.beam_width not in self._depth_budgets:
-            self._depth_budgets[params.beam_width] = DepthBudget(
-                self._engine_depth, max(MAX_AUTO_DEPTH, self._engine_depth)
-            )
-        return self._depth_budgets[params.beam_width]
-
     def _forest_requests(self, active: list[PromptSearch], params: Any) -> list[ForestRequest]:
-        depth = self.depth or self._depth_budget(params).choose(len(active))
-        for inst in active:
-            inst.depth = min(depth, params.max_tokens - inst.steps - 1)
-            self.stats.drafted_depths += inst.depth
+        depths = [min(self.depth, params.max_tokens - inst.steps - 1) for inst in active]
+        self.stats.drafted_depths += sum(depths)
         return [
             ForestRequest(
                 inst.key,
                 [list(b.tokens) for b in inst.state.beams],
                 [float(b.cum_logprob) for b in inst.state.beams],
-                inst.depth,
+                depth,
             )
-            for inst in active
+            for inst, depth in zip(active, depths)
         ]
 
     def _scoring_requests(
@@ -490,32 +451,19 @@ class SpeculativeBeamSearch:
     ) -> None:
         """Advance every active prompt by the steps its scored forest settles;
         ``results`` are the target's outputs for :meth:`draft_round`'s requests, in order."""
-        target_seconds = time.perf_counter() - active[0].drafted_at
-        budget = None if self.depth else self._depth_budget(params)
-        # a prompt's first draft encodes the whole prompt: no guide to what a depth costs
-        draft_seconds = None if any(inst.steps == 0 for inst in active) else active[0].draft_seconds
         self.stats.rounds += 1
-        position = round_rows = round_nodes = 0
+        position = 0
         for inst in active:
             assert inst.layout is not None
             scored = results[position : position + len(inst.layout.nodes)]
             position += len(scored)
             request_rows = [tree_prompt.row_logprobs(result, n) for result, n in zip(scored, inst.layout.nodes)]
             rows = [[request_rows[request][i] for i in indices] for request, indices in inst.layout.rows]
-            round_rows += sum(len(r.prompt_token_ids) - (r.num_cached_tokens or 0) for r in scored)
-            round_nodes += sum(tree.num_nodes for tree in inst.trees)
+            self.stats.scored_rows += sum(len(r.prompt_token_ids) - (r.num_cached_tokens or 0) for r in scored)
             done = self._verify(inst, rows, params, selection)
             inst.steps += done
             self.stats.steps += done
             self.stats.prompt_rounds += 1
-            if budget is not None:
-                # a round that ended on a survivor the draft missed says how deep drafts reach
-                missed = bool(inst.state.beams) and inst.steps < params.max_tokens
-                budget.observe_prompt(inst.depth, done, censored=not missed)
-        self.stats.scored_rows += round_rows
-        if budget is not None:
-            depth = max(inst.depth for inst in active)
-            budget.observe_round(len(active), round_rows, target_seconds, round_nodes, depth, draft_seconds)
 
     # ------------------------------------------------------------ verify
     def _verify(self, inst: PromptSearch, rows: list[list[dict[int, Any]]], params: Any, selection: Selection) -> int:
@@ -572,9 +520,8 @@ def beam_search(
 ) -> list[Any]:
     """``LLM.beam_search(prompts, params)``, speculatively (see the module docstring).
 
-    ``num_speculative_tokens`` (draft depth) is chosen per round by default
-    (:class:`SpeculativeBeamSearch`); ``draft_width`` (pairs drafted per depth)
-    defaults to ``2 * beam_width``.
+    ``num_speculative_tokens`` (draft depth) defaults to the engine's ``dsbd``
+    setting; ``draft_width`` (pairs drafted per depth) to ``2 * beam_width``.
     The draft model is loaded on every call: keep a
     :class:`SpeculativeBeamSearch` to search repeatedly.
     """

@@ -144,11 +144,8 @@ class StepCostModel:
     PRIOR_ROWS = 64.0
     RIDGE = 16.0
 
-    def __init__(self, decay: float = 0.98, prior_rows: float = PRIOR_ROWS) -> None:
-        """``prior_rows``: before ``x`` has varied, the fixed part of a step is
-        assumed to cost as much as this many units of ``x``."""
+    def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
-        self.prior_rows = prior_rows
         self._sums = np.zeros(5)  # weight, sum x, sum y, sum x^2, sum x*y
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -166,7 +163,7 @@ class StepCostModel:
         mean_x, mean_y = sx / weight, sy / weight
         spread = sxx - weight * mean_x**2  # weighted sum of squared deviations
         covariance = sxy - weight * mean_x * mean_y
-        prior_slope = mean_y / (mean_x + self.prior_rows)
+        prior_slope = mean_y / (mean_x + self.PRIOR_ROWS)
         slope = max(0.0, (covariance + self.RIDGE * prior_slope) / (spread + self.RIDGE))
         return StepCost(max(mean_y - slope * mean_x, 0.0), slope)
 
@@ -295,99 +292,3 @@ class StepBudget:
     def remove(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
-
-
-class DepthBudget:
-    """How deep a speculative beam-search round drafts (the search's ``auto`` depth).
-
-    A round drafted ``D`` deep settles up to ``D + 1`` beam steps: the first
-    always, step ``d + 1`` when every survivor of step ``d`` was a drafted
-    node. With ``c[d]`` the chance that a round which reached depth ``d``
-    passes it, depth ``d`` is worth ``c[1] ... c[d]`` steps a prompt and costs
-    one draft forward plus its nodes' target rows, so the depth kept is the
-    ``D`` that maximises (:func:`choose_counts`, with depths for nodes)::
-
-        prompts * (1 + sum of the first D values) / (C0 + D * C1)
-
-    ``C0`` (the target's pass over the round's other rows, the draft's fixed
-    part) and ``C1`` (a draft forward, a depth's nodes' rows) come from lines
-    fitted to the search's own rounds. A depth not drafted lately is taken to
-    pass as often as the one above it, so the search tries a level deeper when
-    the deepest one nearly always passes, and learns that it does not.
-
-    Worked example: ``c = [1, 0.9, 0.9, 0.5]`` (and 0.5 below), ``C0 = 3 s``,
-    ``C1 = 0.4 s``, one prompt: D = 3 gives (1 + 1 + 0.9 + 0.81) / 4.2 = 0.883
-    steps a second, D = 4 (+0.405) 4.115 / 4.6 = 0.895, D = 5 (+0.2025)
-    4.318 / 5.0 = 0.864: four deep.
-    """
-
-    #: per round: how much older rounds still count
-    DECAY = 0.97
-
-    def __init__(self, initial_depth: int, max_depth: int) -> None:
-        """``initial_depth``: the first round's, before anything was timed."""
-        self.initial_depth = initial_depth
-        self.max_depth = max_depth
-        self.counts = AcceptanceCounts(np.zeros(max_depth), np.zeros(max_depth))
-        #: target seconds against the rows a round scored
-        self.target_cost = StepCostModel()
-        #: draft seconds against the depth drafted: its fixed part (the beams'
-        #: new tokens) is taken to cost about two depths until depths vary
-        self.draft_cost = StepCostModel(prior_rows=2.0)
-        #: per prompt and round: rows scored besides the trees, tree nodes per depth
-        self.other_rows = 0.0
-        self.nodes_per_depth = 0.0
-
-    def rates(self) -> np.ndarray:
-        """``c[d]`` for depths ``1 .. max_depth``, each shrunk towards the one above (``[max_depth]``)."""
-        rates = np.empty(self.max_depth)
-        prior = 1.0
-        for d in range(self.max_depth):
-            prior = rates[d] = (self.counts.hits[d] + PRIOR_TRIALS * prior) / (self.counts.trials[d] + PRIOR_TRIALS)
-        return rates
-
-    def choose(self, prompts: int) -> int:
-        """This round's depth for ``prompts`` prompts (at least 1: a round that drafts nothing learns nothing)."""
-        if not (self.target_cost.observed and self.draft_cost.observed):
-            return self.initial_depth
-        target, draft = self.target_cost.fit(), self.draft_cost.fit()
-        cost = StepCost(
-            target.intercept + target.slope * prompts * self.other_rows + draft.intercept,
-            target.slope * prompts * self.nodes_per_depth + draft.slope,
-        )
-        values = prompts * np.cumprod(self.rates())  # [max_depth]
-        return max(1, choose_counts(values, prompts, 0, cost))
-
-    def observe_prompt(self, depth: int, steps: int, censored: bool) -> None:
-        """One prompt's round: drafted ``depth`` deep, settled ``steps`` steps;
-        ``censored`` when it stopped for another reason than a survivor the
-        draft missed (tokens ran out, every beam completed).
-
-        Example: depth 4 and 3 steps: depths 1 and 2 passed, depth 3 was
-        reached and failed, depth 4 was never reached; censored, depth 3 was
-        not tried either.
-        """
-        reached = min(steps, depth) - (1 if censored and steps <= depth else 0)
-        trials = list(range(reached))
-        self.counts.add(trials, [d for d in trials if d + 1 < steps], 1.0)
-
-    def observe_round(
-        self,
-        prompts: int,
-        target_rows: int,
-        target_seconds: float,
-        nodes: int,
-        depth: int,
-        draft_seconds: float | None,
-    ) -> None:
-        """A round's costs: ``target_rows`` scored in ``target_seconds``, of which ``nodes``
-        tree nodes; the draft ``depth`` deep (the deepest prompt's) in ``draft_seconds``
-        (``None``: not a guide, e.g. it encoded whole prompts)."""
-        weight = 1.0 - self.DECAY if self.target_cost.observed else 1.0
-        self.counts.trials *= self.DECAY
-        self.counts.hits *= self.DECAY
-        self.target_cost.observe(target_rows, target_seconds)
-        if draft_seconds is not None:
-            self.draft_cost.observe(depth, draft_seconds)
-        self.other_rows += weight * ((target_rows - nodes) / prompts - self.other_rows)
-        self.nodes_per_depth += weight * (nodes / (prompts * max(depth, 1)) - self.nodes_per_depth)
