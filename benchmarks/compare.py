@@ -85,8 +85,7 @@ BEAM_GRID = {"none": [4], "quick": [2, 4], "full": [2, 4]}
 DSBD_CHAIN = "dsbd-chain"
 
 #: ``mcsd``'s settings: each ``k_config`` with its default stopping rule (the
-#: draft's confidence), with it but dropping the level it scored last
-#: (``no-leaf``, Lu et al.'s rule) and with none (``no-stop``: always the full depth),
+#: draft's confidence) and with none (``no-stop``: always the full depth),
 #: on one engine at depth ``MCSD_DEPTH``. ``[1]`` is the target-initialised
 #: shape (see methods/mcsd/drafter.py).
 #: ``[2, 2]`` lost to ``[2]`` and ``[1]`` in every run on CPU (README, "mcsd"): ``full`` only.
@@ -389,9 +388,14 @@ def mcsd_plan(config: dict[str, Any], sweep: str) -> tuple[dict[str, Any], list[
     settings = []
     for k_config in grid:
         label = "k" + ",".join(map(str, k_config))
-        for tail, options in (("", {}), ("/no-leaf", {"leaf_at_stop": False}), ("/no-stop", {"stop_threshold": 0.0})):
-            extra = {"k_config": k_config, **options}
-            settings.append(Setting(label + tail, dict(extra), extra_args=extra))
+        settings.append(Setting(label, {"k_config": k_config}, extra_args={"k_config": k_config}))
+        settings.append(
+            Setting(
+                f"{label}/no-stop",
+                {"k_config": k_config, "stop_threshold": 0.0},
+                extra_args={"k_config": k_config, "stop_threshold": 0.0},
+            )
+        )
     return {**config, "num_speculative_tokens": MCSD_DEPTH, "max_nodes": nodes, "k_config": grid[0]}, settings
 
 

@@ -368,7 +368,7 @@ def test_plan_runs_mcsd_settings_on_one_engine_and_the_stop_model_apart():
     assert config["max_nodes"] == max(sum(level_sizes(k, compare.MCSD_DEPTH)) for k in grid)
     # every setting is a valid request of that engine: with and without the stopping rule
     labels = [s.label for s in by_id["mcsd"].settings]
-    assert labels == [f"k{','.join(map(str, k))}{tail}" for k in grid for tail in ("", "/no-leaf", "/no-stop")]
+    assert labels == [f"k{','.join(map(str, k))}{tail}" for k in grid for tail in ("", "/no-stop")]
     for setting in by_id["mcsd"].settings:
         options = {name: option.default for name, option in McsdDrafter.OPTIONS.items()}
         McsdDrafter.check_options({**options, **config, **setting.extra_args})

@@ -127,39 +127,27 @@ def test_greedy_tree_holds_each_nodes_top_k() -> None:
         assert [int(tree.tokens[s]) for s in siblings] == expected
 
 
-@pytest.mark.parametrize("leaf_at_stop", [True, False])
-def test_depth_stops_where_the_draft_is_unsure(leaf_at_stop: bool) -> None:
+def test_depth_stops_where_the_draft_is_unsure() -> None:
     """Rows are confident up to depth 2: the default rule (top-1 probability >= 0.5)
-    feeds levels 1-2 and stops; level 3 comes from the scored rows of level 2 without
-    a forward (``leaf_at_stop``), or is dropped; threshold 0 drafts all 4 levels."""
+    drafts levels 1-2 and stops; threshold 0 drafts all 4 levels."""
     runtime = FakeRuntime(confident_below=2)
-    stopped = drafter(runtime, k_config=[2, 2], leaf_at_stop=leaf_at_stop)
+    stopped = drafter(runtime, k_config=[2, 2])
     tree = stopped.propose([request(stopped, [5, 6])])[0]
-    assert runtime.fed == [2, 4]  # level 2's rows were fed to score them, level 3 never fed
-    if leaf_at_stop:
-        assert tree.max_depth == 3 and tree.num_nodes == 2 + 4 + 4
-        for leaf in range(6, 10):  # each level-2 node's top token, read from its scored row
-            parent = int(tree.parents[leaf])
-            assert tree.depths[leaf] == 3 and tree.children(parent) == [leaf]
-            assert int(tree.tokens[leaf]) == int(torch.topk(path_logits(node_path(tree, parent), 2), 1).indices)
-    else:
-        assert tree.max_depth == 2 and tree.num_nodes == 2 + 4
+    assert tree.max_depth == 2 and tree.num_nodes == 2 + 4
+    assert runtime.fed == [2, 4]  # level 2's rows were fed to score them, level 3 never drafted
     full = drafter(FakeRuntime(confident_below=2), k_config=[2, 2])
     assert full.propose([request(full, [5, 6], stop_threshold=0.0)])[0].max_depth == 4
 
 
 def test_a_stop_model_decides_the_depth() -> None:
-    """A stop model that always says "rejected" stops after the first level's forward, whatever the
-    draft's confidence: level 1 fed, level 2 read from its rows (the leaf), nothing deeper."""
-    runtime = FakeRuntime()
-    d = drafter(runtime, k_config=[2])
+    """A stop model that always says "rejected" stops after the first level, whatever the draft's confidence."""
+    d = drafter(FakeRuntime(), k_config=[2])
     d.stop_model = stopping.StopModel()
     with torch.no_grad():
         for parameter in d.stop_model.parameters():
             parameter.zero_()
         list(d.stop_model.parameters())[-1].fill_(-20.0)  # the output bias: sigmoid ~ 0
-    assert d.propose([request(d, [5, 6])])[0].max_depth == 2
-    assert runtime.fed == [2]
+    assert d.propose([request(d, [5, 6])])[0].max_depth == 1
 
 
 def test_sampled_children_are_distinct_draws_carrying_their_q() -> None:
@@ -235,11 +223,7 @@ def mcsd(engines, near_draft):
     return engines.get({**MCSD, "model": near_draft})
 
 
-@pytest.mark.parametrize(
-    "extra_args",
-    [None, CHAIN, {"stop_threshold": 0.0}, {"leaf_at_stop": False}],
-    ids=["k22", "chain", "full-depth", "no-leaf"],
-)
+@pytest.mark.parametrize("extra_args", [None, CHAIN, {"stop_threshold": 0.0}], ids=["k22", "chain", "full-depth"])
 def test_greedy_equals_no_speculation(mcsd, prompts, reference, extra_args) -> None:
     before = runner_stats(mcsd)
     assert token_ids(mcsd.generate(prompts, with_args(greedy(), extra_args))) == reference

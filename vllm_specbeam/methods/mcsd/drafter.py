@@ -12,12 +12,7 @@ token the draft proposes from it is accepted. Drafting goes on while some
 frontier node scores at least ``stop_threshold`` (Lu et al. 2024). The score
 is a trained stop model's (:mod:`vllm_specbeam.methods.mcsd.stopping`,
 ``vllm-specbeam mcsd train``) or, without one, the draft's own top-1
-probability. The first level is always drafted. Scoring a level's rows took
-the draft forward that gives the next level's candidates, so when the rule
-stops, that level is still proposed (``leaf_at_stop``): it costs target rows
-only, never a draft forward. Example: a chain whose rule stops after the
-forward of its 4th token proposes 5 tokens for 5 draft forwards (the sync and
-4 depths), where dropping the leaf proposed 4.
+probability. The first level is always drafted.
 
 **Target-initialised candidates.** Lu et al. take the first level from the
 target's distribution at the root. Here that level is already in hand: each
@@ -169,11 +164,6 @@ class McsdDrafter(DraftModelDrafter):
             0.0,
             1.0,
         ),
-        "leaf_at_stop": Option(
-            True,
-            "when the stopping rule ends drafting, still propose the next level from the rows it scored: "
-            "no draft forward, one target row per node (false: drop it, as Lu et al. do)",
-        ),
         "collect": Option(
             False, "record scored rows for `vllm-specbeam mcsd train` (the command sets it)", per_request=False
         ),
@@ -236,10 +226,7 @@ class McsdDrafter(DraftModelDrafter):
             for g, rows in zip(growing, logits):
                 g.rows = rows
             scores = self._score(growing, None)
-            going = [score >= g.options["stop_threshold"] for g, score in zip(growing, scores)]
-            for g in (g for g, go in zip(growing, going) if not go and g.options["leaf_at_stop"]):
-                g.grow(self.generator)  # from the rows just scored: a leaf level without a draft forward
-            growing = [g for g, go in zip(growing, going) if go]
+            growing = [g for g, score in zip(growing, scores) if score >= g.options["stop_threshold"]]
         return [
             DraftTree.empty() if g is None else g.tree(r.options["k_config"], r.options["num_speculative_tokens"])
             for r, g in zip(requests, growths)
