@@ -37,7 +37,17 @@ sys.path.insert(0, str(HERE))
 
 
 import metrics
-from compare import DEFAULT_MODEL, ENV_DEFAULTS, EngineSpec, TreeMonitor, environment, plan, resolve_model
+from compare import (
+    DEFAULT_MODEL,
+    ENV_DEFAULTS,
+    EngineSpec,
+    TreeMonitor,
+    add_intel_openmp_option,
+    environment,
+    plan,
+    preload_intel_openmp,
+    resolve_model,
+)
 from load_test import running_server
 from prompts import BUILTIN, load_prompts
 
@@ -211,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    preload_intel_openmp(args.intel_openmp)
     from tqdm import tqdm
 
     args.model_path, args.draft_path = resolve_model(args.model), resolve_model(args.draft)
@@ -292,6 +303,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8471)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--out", default=f"results/serve-{time.strftime('%Y%m%d-%H%M%S')}")
+    add_intel_openmp_option(parser)
     return parser.parse_args(argv)
 
 

@@ -434,6 +434,23 @@ def read_markdown_table(text: str) -> list[dict[str, str]]:
     return [dict(zip(cells[0], row, strict=True)) for row in cells[2:]]
 
 
+def test_intel_openmp_preload_prepends_once_and_respects_off(monkeypatch, tmp_path):
+    library = tmp_path / "libiomp5.so"
+    library.write_bytes(b"")
+    monkeypatch.setattr(compare, "INTEL_OPENMP", library)
+    monkeypatch.setattr(compare.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")
+    compare.preload_intel_openmp("off")
+    assert compare.os.environ["LD_PRELOAD"] == "libother.so"
+    compare.preload_intel_openmp("auto")
+    compare.preload_intel_openmp("auto")  # a second call does not add it twice
+    assert compare.os.environ["LD_PRELOAD"] == f"{library} libother.so"
+    monkeypatch.setattr(compare.platform, "machine", lambda: "aarch64")
+    monkeypatch.setenv("LD_PRELOAD", "")
+    compare.preload_intel_openmp("auto")
+    assert compare.os.environ["LD_PRELOAD"] == ""  # Intel OpenMP is x86 only
+
+
 def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     """none + lookup_tree on the tiny model: two engines, each started twice (rounds), greedy,
     batch sizes 1 and 2; the JSON, table and plot agree with each other."""
@@ -483,6 +500,8 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         "none": ("ok", 2),
     }
     assert result["environment"]["vllm"].startswith("0.32")
+    if compare.INTEL_OPENMP.is_file() and compare.platform.machine() == "x86_64":
+        assert str(compare.INTEL_OPENMP) in result["environment"]["env"]["LD_PRELOAD"]
     runs = {(r["method"], r["batch_size"]): r for r in result["runs"]}
     assert set(runs) == {(m, b) for m in ("none", "lookup_tree") for b in (1, 2)}
     for batch in (1, 2):
