@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -673,6 +674,26 @@ def preload_intel_openmp(mode: str) -> None:
         print(f"engines start with LD_PRELOAD={os.environ['LD_PRELOAD']} (--intel-openmp off to leave it)")
 
 
+def stop_process_tree(pid: int, timeout: float = 10.0) -> None:
+    """Terminate a worker and every process under it (vLLM's engine core and
+    workers outlive a killed parent and keep its memory), killing what is
+    still alive after ``timeout`` seconds."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
 def run_worker(job: dict[str, Any], log: Path, bar: Any) -> tuple[int, float]:
     """Run one engine worker; returns its exit code and peak RSS (MiB), and
     advances ``bar`` as the worker reports finished steps."""
@@ -696,7 +717,11 @@ def run_worker(job: dict[str, Any], log: Path, bar: Any) -> tuple[int, float]:
             [sys.executable, __file__, "--worker", str(job_file)], stdout=out, stderr=subprocess.STDOUT
         )
         with TreeMonitor(proc.pid, on_sample=advance) as monitor:
-            code = proc.wait()
+            try:
+                code = proc.wait()
+            except BaseException:  # Ctrl-C, or SIGTERM through main()'s handler
+                stop_process_tree(proc.pid)
+                raise
     return code, monitor.peak_mib
 
 
@@ -792,6 +817,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     preload_intel_openmp(args.intel_openmp)
+    # `kill` of the benchmark ends the running engine too (run_worker stops its process tree).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from tqdm import tqdm
 
     args.model_path, args.draft_path = resolve_model(args.model), resolve_model(args.draft)
