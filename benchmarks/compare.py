@@ -660,14 +660,18 @@ class TreeMonitor:
             self._stop.wait(self.interval)
 
 
-def preload_intel_openmp(mode: str) -> None:
-    """Put the venv's Intel OpenMP into ``LD_PRELOAD`` for every engine this
-    process starts (a preload only acts at a process's start), as vLLM's CPU
-    docs ask on x86. ``mode``: "auto" (when the library is there) or "off";
-    a caller's own libiomp5 preload is kept either way. environment() records
-    the result."""
+def set_engine_environment(intel_openmp: str) -> None:
+    """Set ``ENV_DEFAULTS`` (the caller's values win) and put the venv's
+    Intel OpenMP into ``LD_PRELOAD`` for every engine this process starts
+    (a preload only acts at a process's start), as vLLM's CPU
+    docs ask on x86. ``intel_openmp``: "auto" (when the library is there) or "off".
+    An OpenMP the caller already preloads is kept alone: vLLM 0.32's
+    utils/ompmultiprocessing.py refuses Intel and GNU OpenMP together.
+    environment() records the result."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     preloaded = os.environ.get("LD_PRELOAD", "")
-    if "libiomp5" in preloaded or mode == "off":
+    if intel_openmp == "off" or any(name in preloaded for name in ("libiomp", "libomp", "libgomp")):
         return
     if platform.machine() in ("x86_64", "AMD64") and INTEL_OPENMP.is_file():
         os.environ["LD_PRELOAD"] = " ".join(filter(None, [str(INTEL_OPENMP), preloaded]))
@@ -814,9 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(Path(args.worker))
         return 0
-    for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    preload_intel_openmp(args.intel_openmp)
+    set_engine_environment(args.intel_openmp)
     # `kill` of the benchmark ends the running engine too (run_worker stops its process tree).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from tqdm import tqdm

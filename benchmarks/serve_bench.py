@@ -45,8 +45,8 @@ from compare import (
     add_intel_openmp_option,
     environment,
     plan,
-    preload_intel_openmp,
     resolve_model,
+    set_engine_environment,
 )
 from load_test import running_server
 from prompts import BUILTIN, load_prompts
@@ -219,9 +219,7 @@ async def bench_server(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    preload_intel_openmp(args.intel_openmp)
+    set_engine_environment(args.intel_openmp)
     from tqdm import tqdm
 
     args.model_path, args.draft_path = resolve_model(args.model), resolve_model(args.draft)

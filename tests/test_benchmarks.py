@@ -472,14 +472,17 @@ def test_intel_openmp_preload_prepends_once_and_respects_off(monkeypatch, tmp_pa
     monkeypatch.setattr(compare, "INTEL_OPENMP", library)
     monkeypatch.setattr(compare.platform, "machine", lambda: "x86_64")
     monkeypatch.setenv("LD_PRELOAD", "libother.so")
-    compare.preload_intel_openmp("off")
+    compare.set_engine_environment("off")
     assert compare.os.environ["LD_PRELOAD"] == "libother.so"
-    compare.preload_intel_openmp("auto")
-    compare.preload_intel_openmp("auto")  # a second call does not add it twice
+    compare.set_engine_environment("auto")
+    compare.set_engine_environment("auto")  # a second call does not add it twice
     assert compare.os.environ["LD_PRELOAD"] == f"{library} libother.so"
+    monkeypatch.setenv("LD_PRELOAD", "/torch/lib/libgomp.so.1")
+    compare.set_engine_environment("auto")  # vLLM refuses GNU and Intel OpenMP together
+    assert compare.os.environ["LD_PRELOAD"] == "/torch/lib/libgomp.so.1"
     monkeypatch.setattr(compare.platform, "machine", lambda: "aarch64")
     monkeypatch.setenv("LD_PRELOAD", "")
-    compare.preload_intel_openmp("auto")
+    compare.set_engine_environment("auto")
     assert compare.os.environ["LD_PRELOAD"] == ""  # Intel OpenMP is x86 only
 
 
