@@ -31,6 +31,14 @@ MAX_MODEL_LEN = 1024
 KV_CACHE_BYTES = 64 << 20
 
 
+@pytest.fixture(autouse=True)
+def kv_cache_space_stays_unset():
+    """Fail the test that leaves VLLM_CPU_KVCACHE_SPACE set: every engine
+    started after it would silently get that cache size instead of its own."""
+    yield
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ, "this test leaked VLLM_CPU_KVCACHE_SPACE into the environment"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))

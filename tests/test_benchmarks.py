@@ -467,6 +467,9 @@ def test_stop_process_tree_ends_the_worker_and_its_engine_processes(tmp_path):
 
 
 def test_intel_openmp_preload_prepends_once_and_respects_off(monkeypatch, tmp_path):
+    # A copy of the environment: ENV_DEFAULTS (a 2 GiB KV cache) must not leak
+    # into the engines later tests start from this process.
+    monkeypatch.setattr(compare.os, "environ", dict(compare.os.environ))
     library = tmp_path / "libiomp5.so"
     library.write_bytes(b"")
     monkeypatch.setattr(compare, "INTEL_OPENMP", library)
@@ -484,6 +487,7 @@ def test_intel_openmp_preload_prepends_once_and_respects_off(monkeypatch, tmp_pa
     monkeypatch.setenv("LD_PRELOAD", "")
     compare.set_engine_environment("auto")
     assert compare.os.environ["LD_PRELOAD"] == ""  # Intel OpenMP is x86 only
+    assert compare.os.environ["VLLM_CPU_KVCACHE_SPACE"] == compare.ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
 
 
 def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
