@@ -237,6 +237,12 @@ def tree_sweep(
 def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[EngineSpec]]:
     """Which engines to start, and why each skipped method is skipped."""
     wanted = None if args.methods == ["all"] else set(args.methods)
+    # "X+vocab" without "X": X's engines are planned, then only their --draft-vocab twins kept
+    vocab_only = {m.removesuffix(VOCAB_SUFFIX) for m in wanted or () if m.endswith(VOCAB_SUFFIX)} - (wanted or set())
+    if vocab_only and not args.draft_vocab_path:
+        raise SystemExit(f"{sorted(m + VOCAB_SUFFIX for m in vocab_only)} need --draft-vocab")
+    if wanted is not None:
+        wanted = {m.removesuffix(VOCAB_SUFFIX) for m in wanted}
     unknown = (wanted or set()) - {
         "none",
         "ngram",
@@ -362,6 +368,9 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             status[row] = MethodStatus("plugin")
             config = {**(engine.speculative_config or {}), "draft_vocab": args.draft_vocab_path}
             engines.append(replace(engine, id=engine.id + "-vocab", method=row, speculative_config=config))
+            if engine.method in vocab_only:
+                engines.remove(engine)
+                status.pop(engine.method, None)
 
     if (wanted is None and available_beam) or (wanted is not None and "beam_search" in wanted):
         status["beam_search"] = MethodStatus("beam")
@@ -820,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     set_engine_environment(args.intel_openmp)
     # `kill` of the benchmark ends the running engine too (run_worker stops its process tree).
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     from tqdm import tqdm
 
     args.model_path, args.draft_path = resolve_model(args.model), resolve_model(args.draft)
@@ -1182,7 +1191,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--methods",
         nargs="+",
         default=["all"],
-        help="subset of: none ngram draft_model suffix beam_search <plugin methods>; 'none' always runs",
+        help="subset of: none ngram draft_model suffix beam_search <plugin methods> and their rows "
+        "(dsbd-chain, mcsd+stop, ...); with --draft-vocab, METHOD+vocab alone runs only the "
+        "vocabulary's engine of METHOD; 'none' always runs",
     )
     parser.add_argument(
         "--sweep", choices=sorted(TREE_GRID), default="quick", help="option grid per method: none = defaults only"

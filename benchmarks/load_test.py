@@ -178,10 +178,6 @@ def process_rss_mib(pid: int) -> dict[str, float]:
     return figures
 
 
-def process_tree_rss_mib(pid: int) -> float:
-    return sum(process_rss_mib(pid).values())
-
-
 # ----------------------------------------------------------------- workload
 @dataclass(frozen=True)
 class Call:

@@ -424,6 +424,13 @@ def test_plan_runs_every_draft_model_engine_again_with_the_draft_vocabulary():
     # vLLM's own methods and the baseline run once, without it
     assert len(engines) == len(plain) + len(drafting)
     assert all("draft_vocab" not in (e.speculative_config or {}) for e in plain)
+    # "X+vocab" without "X": only the twin runs
+    only = dict(args, methods=["draft_model", compare.MCSD_STOP + compare.VOCAB_SUFFIX], stop_model="s")
+    status, engines = compare.plan(plan_args(**only, stop_model_path="/s", draft_vocab_path="/v"))
+    assert [e.id for e in engines] == ["draft_model-k3", "draft_model-k5", "mcsd-stop-vocab", "none"]
+    assert compare.MCSD_STOP not in status and status[compare.MCSD_STOP + compare.VOCAB_SUFFIX].status == "ok"
+    with pytest.raises(SystemExit, match="need --draft-vocab"):
+        compare.plan(plan_args(**only, stop_model_path="/s"))
 
 
 # ------------------------------------------------------------ end to end
