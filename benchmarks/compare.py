@@ -371,6 +371,12 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             if engine.method in vocab_only:
                 engines.remove(engine)
                 status.pop(engine.method, None)
+    untwinned = vocab_only - {e.method.removesuffix(VOCAB_SUFFIX) for e in engines if e.method.endswith(VOCAB_SUFFIX)}
+    if untwinned:
+        raise SystemExit(
+            f"{sorted(m + VOCAB_SUFFIX for m in untwinned)}: only plugin methods that draft with a model "
+            "(and ran with --draft) have a draft-vocabulary row; name the method without +vocab"
+        )
 
     if (wanted is None and available_beam) or (wanted is not None and "beam_search" in wanted):
         status["beam_search"] = MethodStatus("beam")

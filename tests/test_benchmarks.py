@@ -431,6 +431,9 @@ def test_plan_runs_every_draft_model_engine_again_with_the_draft_vocabulary():
     assert compare.MCSD_STOP not in status and status[compare.MCSD_STOP + compare.VOCAB_SUFFIX].status == "ok"
     with pytest.raises(SystemExit, match="need --draft-vocab"):
         compare.plan(plan_args(**only, stop_model_path="/s"))
+    for named in ("lookup_tree+vocab", "draft_model+vocab"):  # no plugin draft model: no twin to run
+        with pytest.raises(SystemExit, match="name the method without"):
+            compare.plan(plan_args(**dict(args, methods=[named]), draft_vocab_path="/v"))
 
 
 # ------------------------------------------------------------ end to end
