@@ -89,6 +89,17 @@ BEAM_GRID = {"none": [4], "quick": [2, 4], "full": [2, 4]}
 #: the same work. Its own row, so the adaptive width's best stays apart.
 DSBD_CHAIN = "dsbd-chain"
 
+#: ``dsbd``'s pruned settings, (depth, nodes, ``prune_ratio``), next to the
+#: ``TREE_GRID`` points: a depth drafts only the pairs within the ratio of its
+#: best, so the node budget lasts more depths (greedy requests; see
+#: methods/dsbd/drafter.py). On the ``dsbd`` engine only (the speculative beam
+#: search's and the chain's engines keep ``TREE_GRID``'s sizes).
+DSBD_PRUNE_GRID = {
+    "none": [],
+    "quick": [(6, 16, 0.1), (6, 16, 0.3)],
+    "full": [(6, 16, 0.1), (6, 16, 0.3), (8, 16, 0.3)],
+}
+
 #: ``mcsd``'s settings: each ``k_config`` with its default stopping rule (the
 #: draft's confidence) and with none (``no-stop``: always the full depth),
 #: on one engine at depth ``MCSD_DEPTH``. ``[1]`` is the target-initialised
@@ -304,7 +315,8 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             config, settings = mjsd_plan(config, args.sweep)
         if not extra_rows_only:
             status[name] = MethodStatus("plugin")
-            engines.append(EngineSpec(name, name, "plugin", config, settings))
+            own = dsbd_plan(config, settings, args.sweep) if name == "dsbd" else (config, settings)
+            engines.append(EngineSpec(name, name, "plugin", *own))
         if name == "mcsd" and args.stop_model:
             status[MCSD_STOP] = MethodStatus("plugin")
             # Its no-stop settings are the stop model's ablation on the same engine.
@@ -417,6 +429,18 @@ def mcsd_plan(config: dict[str, Any], sweep: str) -> tuple[dict[str, Any], list[
             )
         )
     return {**config, "num_speculative_tokens": MCSD_DEPTH, "max_nodes": nodes, "k_config": grid[0]}, settings
+
+
+def dsbd_plan(config: dict[str, Any], settings: list[Setting], sweep: str) -> tuple[dict[str, Any], list[Setting]]:
+    """The ``dsbd`` engine, deep enough for ``DSBD_PRUNE_GRID``, and its settings with the pruned ones."""
+    pruned = [
+        Setting(f"d{d}/n{n}/p{r}", values, dict(values))
+        for d, n, r in DSBD_PRUNE_GRID[sweep]
+        for values in [{"num_speculative_tokens": d, "max_nodes": n, "prune_ratio": r}]
+    ]
+    depth = max([config["num_speculative_tokens"], *(d for d, _, _ in DSBD_PRUNE_GRID[sweep])])
+    nodes = max([config["max_nodes"], *(n for _, n, _ in DSBD_PRUNE_GRID[sweep])])
+    return {**config, "num_speculative_tokens": depth, "max_nodes": nodes}, [*settings, *pruned]
 
 
 def mjsd_plan(config: dict[str, Any], sweep: str) -> tuple[dict[str, Any], list[Setting]]:

@@ -255,10 +255,11 @@ def plan_args(**kwargs) -> argparse.Namespace:
     return argparse.Namespace(**{**defaults, **kwargs})
 
 
-def test_plan_follows_plugin_methods(monkeypatch):
+def test_plan_follows_plugin_methods():
     """Every plugin method is benchmarked, those with a draft model only with
     --draft (skipped otherwise); a beam method brings vLLM's beam search along."""
-    from vllm_specbeam.core.config import METHODS, Method
+    from vllm_specbeam.core.config import METHODS
+    from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter
 
     status, engines = compare.plan(plan_args())
     for name, method in METHODS.items():
@@ -279,17 +280,30 @@ def test_plan_follows_plugin_methods(monkeypatch):
     ]
     assert lookup.settings[0].label == "auto"
 
-    fake = dict(METHODS, dsbd=Method(METHODS["lookup_tree"].drafter, needs_draft_model=True))
-    monkeypatch.setattr(compare, "plugin_methods", lambda: fake)
     status, engines = compare.plan(plan_args(draft="d", draft_path="/d"))
     ids = [e.id for e in engines]
     assert {"dsbd", "beam_search", compare.SPEC_BEAM, "draft_model-k3"} <= set(ids)
     by_id = {e.id: e for e in engines}
-    assert by_id["dsbd"].speculative_config["model"] == "/d"
+    dsbd = by_id["dsbd"].speculative_config
+    assert dsbd["model"] == "/d"
     assert by_id["beam_search"].engine_kwargs["block_size"] == 32
-    # the speculative beam search: the dsbd engine's config, the same widths as vLLM's, whole prompts per step
+    # in-engine dsbd: TREE_GRID's points, then the pruned ones, each a valid request of its engine
+    pruned = compare.DSBD_PRUNE_GRID["quick"]
+    assert [s.label for s in by_id["dsbd"].settings] == [
+        *(f"d{d}/n{n}" for d, n in compare.TREE_GRID["quick"]),
+        *(f"d{d}/n{n}/p{r}" for d, n, r in pruned),
+    ]
+    assert dsbd["num_speculative_tokens"] == max(d for d, _, _ in pruned)
+    defaults = {name: option.default for name, option in DsbdDrafter.OPTIONS.items()}
+    for setting in by_id["dsbd"].settings:
+        DsbdDrafter.check_options({**defaults, **dsbd, **setting.extra_args})
+        assert setting.extra_args["num_speculative_tokens"] <= dsbd["num_speculative_tokens"]
+        assert setting.extra_args["max_nodes"] <= dsbd["max_nodes"]
+    # the speculative beam search: the dsbd engine's config at TREE_GRID's depth (the pruned
+    # settings' deeper trees are in-engine dsbd's), the same widths as vLLM's, whole prompts per step
     spec = by_id[compare.SPEC_BEAM]
-    assert spec.speculative_config == by_id["dsbd"].speculative_config and spec.greedy_only
+    grid_depth = max(d for d, _ in compare.TREE_GRID["quick"])
+    assert spec.speculative_config == {**dsbd, "num_speculative_tokens": grid_depth} and spec.greedy_only
     assert spec.engine_kwargs["enable_chunked_prefill"] is False
     assert [s.values for s in spec.settings] == [s.values for s in by_id["beam_search"].settings]
     assert all(s.speculative for s in spec.settings)

@@ -20,7 +20,7 @@ from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.core.verifiers.greedy import GreedyTreeVerifier
 from vllm_specbeam.draft_runtime.drafter import sampling_probs
-from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter, level_widths
+from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter, most_fed
 from vllm_specbeam.methods.dsbd.maths import (
     BeamForest,
     acceptance_rates,
@@ -286,6 +286,61 @@ def draft_row(model: torch.nn.Module, request: DraftRequest, tokens: list[int]) 
     return sampling_probs(logits, request.temperature, options["top_k"], options["top_p"])[0].numpy()
 
 
+def unpruned_widths(depth: int, max_width: int, max_nodes: int) -> list[int]:
+    """Pairs per depth without pruning: ``max_width`` each until ``max_nodes`` runs out."""
+    widths: list[int] = []
+    while len(widths) < depth and sum(widths) < max_nodes:
+        widths.append(min(max_width, max_nodes - sum(widths)))
+    return widths
+
+
+def test_pruned_greedy_forest_is_the_draft_beam_search_within_the_ratio(
+    models: tuple[str, torch.nn.Module],
+) -> None:
+    """Every depth holds the draft's best pairs by joint log-probability (scored from
+    scratch here) that are within ``prune_ratio`` of the best, at most ``max_width``,
+    ``max_nodes`` in all; what pruning saves goes to deeper depths."""
+    draft, _ = models
+    sizes = {"max_width": 4, "num_speculative_tokens": 6, "max_nodes": 14}
+    ratio = 0.3
+    drafter = make_drafter(draft, **sizes, prune_ratio=ratio)
+    forest = drafter.propose([DraftRequest("p", np.asarray(PROMPT), drafter.options, temperature=0.0)])[0]
+    model = drafter.runtime.model
+    live, scores, widths, node = [-1], [0.0], [], 0
+    while len(widths) < sizes["num_speculative_tokens"] and node < sizes["max_nodes"]:
+        with torch.inference_mode():
+            logp = [
+                torch.log_softmax(model(torch.tensor([PROMPT + path_tokens(forest, b)])).logits[0, -1].float(), -1)
+                for b in live
+            ]
+        joint_scores = (torch.tensor(scores).unsqueeze(-1) + torch.stack(logp)).reshape(-1)
+        width = min(sizes["max_width"], sizes["max_nodes"] - node)
+        top, pairs = torch.topk(joint_scores, width)
+        keep = top >= top[0] + np.log(ratio)
+        level = np.flatnonzero(forest.depths == len(widths) + 1)
+        vocab = len(logp[0])
+        assert forest.tokens[level].tolist() == (pairs[keep] % vocab).tolist()
+        assert forest.parents[level].tolist() == [live[int(b)] for b in pairs[keep] // vocab]
+        live, scores = level.tolist(), top[keep].tolist()
+        widths.append(len(level))
+        node += len(level)
+    assert forest.num_nodes == node and forest.max_depth == len(widths)
+    unpruned = unpruned_widths(sizes["num_speculative_tokens"], sizes["max_width"], sizes["max_nodes"])
+    assert min(widths) < sizes["max_width"] and len(widths) > len(unpruned)  # pruning took effect
+    assert sum(widths[:-1]) <= most_fed(6, 4, 14)
+
+
+def test_most_fed_bounds_every_forest_of_its_sizes() -> None:
+    """Brute force over every width pattern a forest of these sizes can have."""
+    for depth, max_width, max_nodes in [(1, 4, 16), (3, 2, 5), (4, 3, 8), (5, 4, 16), (2, 1, 1)]:
+        fed = 0
+        for d in range(1, depth + 1):
+            for widths in itertools.product(range(1, max_width + 1), repeat=d):
+                if sum(widths) <= max_nodes:
+                    fed = max(fed, sum(widths[:-1]))
+        assert most_fed(depth, max_width, max_nodes) == fed
+
+
 def test_greedy_forests_of_a_batch_equal_one_at_a_time(models: tuple[str, torch.nn.Module]) -> None:
     draft, _ = models
     together, alone = make_drafter(draft), make_drafter(draft)
@@ -316,7 +371,7 @@ def test_sampled_forests_of_a_batch_draw_from_the_draft_model(models: tuple[str,
     for request in batch(drafter, temperatures):
         forest, options = forests[request.req_id], request.options
         context = request.token_ids.tolist()
-        widths = level_widths(options["num_speculative_tokens"], options["max_width"], options["max_nodes"])
+        widths = unpruned_widths(options["num_speculative_tokens"], options["max_width"], options["max_nodes"])
         assert forest.num_nodes == sum(widths) and forest.max_depth == len(widths)
         if not request.temperature:
             assert forest.draft_probs is None

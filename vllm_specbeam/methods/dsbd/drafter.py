@@ -18,7 +18,9 @@ leaves the batch.
 
 Greedy requests (temperature 0 and no ``draft_temperature``) run beam
 *search* instead: the ``max_width`` best pairs of the joint log-score, all
-distinct, without draft rows (the greedy verifier reads tokens only).
+distinct, without draft rows (the greedy verifier reads tokens only); with
+``prune_ratio`` only those within that ratio of the depth's best, so a depth
+where the draft is sure drafts one pair and ``max_nodes`` lasts more depths.
 
 Draws come from the drafter's one generator (see
 :class:`~vllm_specbeam.draft_runtime.drafter.DraftModelDrafter`), taken depth
@@ -27,6 +29,7 @@ by depth, requests in the order given, so a seed fixes them all.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,12 +52,14 @@ from vllm_specbeam.draft_runtime.drafter import (
 from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
 
 
-def level_widths(depth: int, max_width: int, max_nodes: int) -> list[int]:
-    """Pairs drafted per depth: ``max_width`` each until ``max_nodes`` runs out."""
-    widths: list[int] = []
-    while len(widths) < depth and sum(widths) < max_nodes:
-        widths.append(min(max_width, max_nodes - sum(widths)))
-    return widths
+def most_fed(depth: int, max_width: int, max_nodes: int) -> int:
+    """The most nodes a draft of these sizes feeds the draft model: all but its
+    last depth's, each depth at most ``max_width`` pairs, ``max_nodes`` in all.
+
+    E.g. depth 5, width 4, 16 nodes: unpruned widths ``[4, 4, 4, 4]`` feed 12;
+    pruned ones ``[1, 1, 1, 1, 4]`` feed 4, ``[4, 4, 4, 3, 1]`` 15 (the bound).
+    """
+    return max(0, min(max_nodes - 1, max_width * (depth - 1)))
 
 
 class DsbdDrafter(DraftModelDrafter):
@@ -67,6 +72,13 @@ class DsbdDrafter(DraftModelDrafter):
         "width_threshold": Option(
             0.7, "tau_w: a depth keeps the most beams n it accepts with probability >= tau_w", 0.0, 1.0
         ),
+        "prune_ratio": Option(
+            0.0,
+            "greedy requests: a depth drafts a pair only if its draft probability is at least this fraction of "
+            "the depth's best pair's (0: max_width pairs at every depth)",
+            0.0,
+            1.0,
+        ),
     }
 
     @staticmethod
@@ -78,24 +90,28 @@ class DsbdDrafter(DraftModelDrafter):
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
-        widths = [
-            level_widths(r.options["num_speculative_tokens"], r.options["max_width"], r.options["max_nodes"])
-            for r in requests
+        sizes = [
+            (r.options["num_speculative_tokens"], r.options["max_width"], r.options["max_nodes"]) for r in requests
         ]
-        synced = runtime.sync_many([(r.req_id, r.token_ids, sum(w[:-1])) for r, w in zip(requests, widths)])
+        synced = runtime.sync_many([(r.req_id, r.token_ids, most_fed(*size)) for r, size in zip(requests, sizes)])
         beams = [
-            None if logits is None or not w else _start(r, w, logits) for r, w, logits in zip(requests, widths, synced)
+            None if logits is None or not min(size) else _start(r, logits)
+            for r, size, logits in zip(requests, sizes, synced)
         ]
         draft_beams(runtime, [b for b in beams if b is not None], self.generator)
         return [DraftTree.empty() if b is None else b.forest() for b in beams]
 
 
-def _start(request: DraftRequest, widths: list[int], logits: torch.Tensor) -> DraftBeams:
+def _start(request: DraftRequest, logits: torch.Tensor) -> DraftBeams:
     """The request's beams: sampled, or searched for greedy requests (see the module docstring)."""
-    temperature = draft_temperature(request.options, request.temperature)
+    options = request.options
+    widths, max_nodes = [options["max_width"]] * options["num_speculative_tokens"], options["max_nodes"]
+    temperature = draft_temperature(options, request.temperature)
     if temperature < GREEDY_EPS:
-        return DraftBeamSearch(request.req_id, widths, logits.unsqueeze(0))
-    return BeamSample(request.req_id, widths, logits, temperature, request.options)
+        return DraftBeamSearch(
+            request.req_id, widths, logits.unsqueeze(0), max_nodes=max_nodes, prune_ratio=options["prune_ratio"]
+        )
+    return BeamSample(request.req_id, widths, logits, temperature, options, max_nodes)
 
 
 def draft_beams(runtime: DraftRuntime, beams: list[DraftBeams], generator: torch.Generator | None) -> None:
@@ -116,7 +132,9 @@ class DraftBeams(ABC):
     :meth:`select` picks a depth's pairs from the beams' scores and next-token
     rows; :func:`draft_beams` feeds the new nodes to the draft model together
     with the other requests' and hands their logits to :meth:`take`. The last
-    depth is never fed. Beams start at the request's root, or (the full-width
+    depth is never fed. ``widths`` are the most pairs per depth, ``max_nodes``
+    (default: their sum) the most in all: depth 5 at width 4 with 16 nodes
+    drafts ``[4, 4, 4, 4]``. Beams start at the request's root, or (the full-width
     search, :mod:`vllm_specbeam.adapter.beam_search`) at ``live`` nodes already in the
     request's draft tree with their own ``scores``; ``first_node`` is the
     draft tree's node count before this search, so :attr:`parents` index the
@@ -130,9 +148,11 @@ class DraftBeams(ABC):
         live: Sequence[int] = (ROOT,),
         scores: torch.Tensor | None = None,
         first_node: int = 0,
+        max_nodes: int | None = None,
     ) -> None:
         self.req_id = req_id
         self.widths = widths
+        self.max_nodes = sum(widths) if max_nodes is None else max_nodes
         self.depth = 0
         self.live = list(live)
         self.scores = torch.zeros(1) if scores is None else scores
@@ -144,11 +164,12 @@ class DraftBeams(ABC):
 
     @property
     def done(self) -> bool:
-        return self.depth == len(self.widths)
+        return self.depth == len(self.widths) or len(self.tokens) >= self.max_nodes
 
     def select(self, generator: torch.Generator | None) -> tuple[list[int], list[int]]:
         """Choose the next depth's pairs; the new nodes' tokens and parents."""
-        beam, token, self.scores = self._choose(self.widths[self.depth], generator)
+        width = min(self.widths[self.depth], self.max_nodes - len(self.tokens))
+        beam, token, self.scores = self._choose(width, generator)
         self.depth = len(self.widths) if not token.numel() else self.depth + 1
         first = len(self.tokens)
         self.tokens += token.tolist()
@@ -174,9 +195,15 @@ class BeamSample(DraftBeams):
     """Each depth's pairs drawn i.i.d. from the draft joint; every beam's ``q`` row recorded."""
 
     def __init__(
-        self, req_id: str, widths: list[int], logits: torch.Tensor, temperature: float, options: Mapping[str, Any]
+        self,
+        req_id: str,
+        widths: list[int],
+        logits: torch.Tensor,
+        temperature: float,
+        options: Mapping[str, Any],
+        max_nodes: int | None = None,
     ) -> None:
-        super().__init__(req_id, widths)
+        super().__init__(req_id, widths, max_nodes=max_nodes)
         self.temperature, self.options = temperature, options
         self.rows = self._probs(logits.unsqueeze(0))
         self.draft_rows: list[torch.Tensor] = []
@@ -197,7 +224,7 @@ class BeamSample(DraftBeams):
         self.next_rows.append(self.rows)
 
     def forest(self) -> BeamForest:
-        last = torch.zeros(self.widths[-1], self.rows.shape[-1])  # the last depth is never extended
+        last = torch.zeros(len(self.live), self.rows.shape[-1])  # the last depth is never extended
         return BeamForest(
             np.asarray(self.tokens),
             np.asarray(self.parents),
@@ -214,7 +241,11 @@ class DraftBeamSearch(DraftBeams):
     ``logits``: one row per live beam. ``banned``: a token never drafted (the
     full-width search bans EOS: a beam that ends is never extended).
     ``temperature`` scales the logits the scores are summed from (``mjsd``
-    searches a sampled request's draft at its temperature).
+    searches a sampled request's draft at its temperature). ``prune_ratio``
+    drops pairs less likely than that fraction of the depth's best pair
+    (relative-threshold pruning, Freitag and Al-Onaizan 2017): where the draft
+    is sure the forest is a chain, so its rows go to the depths where beams
+    compete. E.g. pairs of probability 0.5, 0.3, 0.02 at ratio 0.1 keep two.
     """
 
     def __init__(
@@ -227,10 +258,13 @@ class DraftBeamSearch(DraftBeams):
         first_node: int = 0,
         banned: int | None = None,
         temperature: float = 1.0,
+        max_nodes: int | None = None,
+        prune_ratio: float = 0.0,
     ) -> None:
-        super().__init__(req_id, widths, live, scores, first_node)
+        super().__init__(req_id, widths, live, scores, first_node, max_nodes)
         self.banned = banned
         self.temperature = temperature
+        self.log_prune_ratio = math.log(prune_ratio) if prune_ratio > 0 else float("-inf")
         self.logp = torch.log_softmax(logits / temperature, dim=-1)
 
     def _choose(self, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -239,8 +273,9 @@ class DraftBeamSearch(DraftBeams):
         if self.banned is not None:
             joint_scores[:, self.banned] = float("-inf")
         scores, best = torch.topk(joint_scores.reshape(-1), min(width, joint_scores.numel()))
-        finite = torch.isfinite(scores)  # fewer than ``width`` pairs left once -inf (banned) ones are dropped
-        scores, best = scores[finite], best[finite]
+        # finite: fewer than ``width`` pairs left once -inf (banned) ones are dropped
+        kept = torch.isfinite(scores) & (scores >= scores[0] + self.log_prune_ratio)
+        scores, best = scores[kept], best[kept]
         return best // vocab, best % vocab, scores
 
     def take(self, logits: torch.Tensor) -> None:
