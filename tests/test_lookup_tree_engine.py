@@ -156,3 +156,22 @@ def test_dsbd_width_one_greedy_equals_no_speculation(engines, tiny_draft, prompt
     assert stats["trees"] > 0
     # one beam per accepted depth, and the depths are the accepted tokens
     assert stats["beam_width_sum"] == stats["beam_depths"] == stats["accepted"] > 0
+
+
+def test_dsbd_pruned_to_the_best_pair_is_greedy_and_drafts_deeper(engines, tiny_draft, prompts, reference):
+    """``prune_ratio: 1`` keeps only each depth's best pair: a chain at ``max_width`` 4, so greedy
+    decoding exactly, and as deep as ``num_speculative_tokens`` where unpruned depths of 4 pairs
+    would spend ``max_nodes`` in 3."""
+    spec = {
+        "method": "dsbd",
+        "model": tiny_draft,
+        "num_speculative_tokens": 6,
+        "max_nodes": 12,
+        "max_width": 4,
+        "prune_ratio": 1.0,
+    }
+    llm = engines.get(spec)
+    assert token_ids(llm.generate(prompts, greedy())) == reference
+    stats = runner_stats(llm)
+    assert stats["trees"] > 0 and stats["nodes"] == stats["depth_sum"]  # chains: one node per depth
+    assert stats["depth_sum"] > 3 * stats["trees"]
