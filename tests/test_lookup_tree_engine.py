@@ -140,17 +140,13 @@ def test_aded_greedy_equals_no_speculation(engines, prompts, reference):
     assert after["accepted"] > before["accepted"]
 
 
+def dsbd_spec(draft: str, **options: object) -> dict[str, object]:
+    return {"method": "dsbd", "model": draft, "num_speculative_tokens": 3, "max_nodes": 12, **options}
+
+
 def test_dsbd_width_one_greedy_equals_no_speculation(engines, tiny_draft, prompts, reference):
     """Greedy DSBD is beam decoding; with one beam it is greedy decoding, exactly."""
-    spec = {
-        "method": "dsbd",
-        "model": tiny_draft,
-        "num_speculative_tokens": 3,
-        "max_nodes": 12,
-        "min_width": 1,
-        "max_width": 1,
-    }
-    llm = engines.get(spec)
+    llm = engines.get(dsbd_spec(tiny_draft, min_width=1, max_width=1))
     assert token_ids(llm.generate(prompts, greedy())) == reference
     stats = runner_stats(llm)
     assert stats["trees"] > 0
@@ -162,15 +158,7 @@ def test_dsbd_pruned_to_the_best_pair_is_greedy_and_drafts_deeper(engines, tiny_
     """``prune_ratio: 1`` keeps only each depth's best pair: a chain at ``max_width`` 4, so greedy
     decoding exactly, and as deep as ``num_speculative_tokens`` where unpruned depths of 4 pairs
     would spend ``max_nodes`` in 3."""
-    spec = {
-        "method": "dsbd",
-        "model": tiny_draft,
-        "num_speculative_tokens": 6,
-        "max_nodes": 12,
-        "max_width": 4,
-        "prune_ratio": 1.0,
-    }
-    llm = engines.get(spec)
+    llm = engines.get(dsbd_spec(tiny_draft, num_speculative_tokens=6, max_width=4, prune_ratio=1.0))
     assert token_ids(llm.generate(prompts, greedy())) == reference
     stats = runner_stats(llm)
     assert stats["trees"] > 0 and stats["nodes"] == stats["depth_sum"]  # chains: one node per depth
