@@ -327,7 +327,7 @@ def test_pruned_greedy_forest_is_the_draft_beam_search_within_the_ratio(
     assert forest.num_nodes == node and forest.max_depth == len(widths)
     unpruned = unpruned_widths(sizes["num_speculative_tokens"], sizes["max_width"], sizes["max_nodes"])
     assert min(widths) < sizes["max_width"] and len(widths) > len(unpruned)  # pruning took effect
-    assert sum(widths[:-1]) <= most_fed(6, 4, 14)
+    assert sum(widths[:-1]) <= most_fed(sizes["num_speculative_tokens"], sizes["max_width"], sizes["max_nodes"])
 
 
 def test_most_fed_bounds_every_forest_of_its_sizes() -> None:

@@ -94,8 +94,8 @@ class DsbdDrafter(DraftModelDrafter):
             (r.options["num_speculative_tokens"], r.options["max_width"], r.options["max_nodes"]) for r in requests
         ]
         synced = runtime.sync_many([(r.req_id, r.token_ids, most_fed(*size)) for r, size in zip(requests, sizes)])
-        beams = [
-            None if logits is None or not min(size) else _start(r, logits)
+        beams = [  # None: no slots for the tree, or a depth or node budget of 0
+            None if logits is None or 0 in size else _start(r, logits)
             for r, size, logits in zip(requests, sizes, synced)
         ]
         draft_beams(runtime, [b for b in beams if b is not None], self.generator)
