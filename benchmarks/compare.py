@@ -94,8 +94,10 @@ DSBD_CHAIN = "dsbd-chain"
 #: best, so the node budget lasts more depths (greedy requests; see
 #: methods/dsbd/drafter.py). On the ``dsbd`` engine only (the speculative beam
 #: search's and the chain's engines keep ``TREE_GRID``'s sizes).
+#: ``none`` keeps the best of them measured on Qwen (README), so a run of
+#: defaults still shows pruned ``dsbd`` beside the defaults.
 DSBD_PRUNE_GRID = {
-    "none": [],
+    "none": [(6, 16, 0.3)],
     "quick": [(6, 16, 0.1), (6, 16, 0.3)],
     "full": [(6, 16, 0.1), (6, 16, 0.3), (8, 16, 0.3)],
 }
@@ -283,7 +285,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         chain("ngram", CHAIN_GRID[args.sweep], {"prompt_lookup_min": 2, "prompt_lookup_max": 5})
     if wanted is None or "draft_model" in wanted:
         if args.draft:
-            chain("draft_model", DRAFT_GRID[args.sweep], {"model": args.draft_path})
+            chain("draft_model", args.draft_ks or DRAFT_GRID[args.sweep], {"model": args.draft_path})
         else:
             status["draft_model"] = MethodStatus("vllm", "skipped", "needs --draft")
     if wanted is None or "suffix" in wanted:
@@ -350,7 +352,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             )
         if name == "dsbd" and (wanted is None or DSBD_CHAIN in wanted):
             status[DSBD_CHAIN] = MethodStatus("plugin")
-            ks = DRAFT_GRID[args.sweep]
+            ks = args.draft_ks or DRAFT_GRID[args.sweep]
             chain_config = {**config, "num_speculative_tokens": max(ks), "max_nodes": max(ks), "max_width": 1}
             chain_settings = [
                 Setting(f"k{k}", {"num_speculative_tokens": k}, {"num_speculative_tokens": k, "max_nodes": k})
@@ -1226,10 +1228,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "vocabulary's engine of METHOD; 'none' always runs",
     )
     parser.add_argument(
-        "--sweep", choices=sorted(TREE_GRID), default="quick", help="option grid per method: none = defaults only"
+        "--sweep",
+        choices=sorted(TREE_GRID),
+        default="quick",
+        help="option grid per method: none = defaults only (dsbd: and its best pruned setting)",
     )
     parser.add_argument(
         "--beam-widths", type=int, nargs="+", default=None, help="beam search widths (default: the sweep's)"
+    )
+    parser.add_argument(
+        "--draft-ks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="draft_model's num_speculative_tokens, an engine each, and dsbd-chain's (default: the sweep's)",
     )
     parser.add_argument(
         "--beam-depths",

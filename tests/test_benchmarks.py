@@ -251,6 +251,7 @@ def plan_args(**kwargs) -> argparse.Namespace:
         "draft_dtype": "auto",
         "beam_widths": None,
         "beam_depths": None,
+        "draft_ks": None,
     }
     return argparse.Namespace(**{**defaults, **kwargs})
 
@@ -336,6 +337,14 @@ def test_plan_follows_plugin_methods():
     assert [s.extra_args for s in by_id[compare.DSBD_CHAIN].settings] == [
         {"num_speculative_tokens": k, "max_nodes": k} for k in ks
     ]
+    # --draft-ks replaces the sweep's K for draft_model and the chain alike
+    _, engines = compare.plan(
+        plan_args(
+            draft="d", draft_path="/d", sweep="none", draft_ks=[5, 7], methods=["draft_model", compare.DSBD_CHAIN]
+        )
+    )
+    assert [e.id for e in engines] == ["draft_model-k5", "draft_model-k7", compare.DSBD_CHAIN, "none"]
+    assert [s.label for s in engines[2].settings] == ["k5", "k7"]
     with pytest.raises(SystemExit, match="unknown method"):
         compare.plan(plan_args(methods=["nope"]))
 
