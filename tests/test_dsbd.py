@@ -163,7 +163,9 @@ def target_rows(model: torch.nn.Module, context: list[int], tree: DraftTree) -> 
 
 def make_drafter(draft: str, **options: object) -> DsbdDrafter:
     defaults = {name: option.default for name, option in DsbdDrafter.OPTIONS.items()}
-    full = {**defaults, "num_speculative_tokens": 3, "max_nodes": 12, "draft_model": draft, **options}
+    # unpruned greedy forests (max_width pairs a depth) unless a test prunes
+    full = {**defaults, "num_speculative_tokens": 3, "max_nodes": 12, "prune_ratio": 0.0, "draft_model": draft}
+    full.update(options)
     drafter = DsbdDrafter(full)
     drafter.use_runtime(ReferenceDraftRuntime(draft))
     return drafter

@@ -133,7 +133,7 @@ def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wid
     from vllm import SamplingParams
 
     spec = {"method": "dsbd", "model": wide_draft, "num_speculative_tokens": 3, "max_nodes": 8, "max_width": 2}
-    llm = engines.get(spec)
+    llm = engines.get({**spec, "prune_ratio": 0.0})  # unpruned: two branches at every depth
     # Compiled at start-up (the worker's warm-up), not in the first request's step.
     assert llm.collective_rpc(_draft_compiled) == [True]
     llm.collective_rpc(_record)

@@ -72,8 +72,9 @@ class DsbdDrafter(DraftModelDrafter):
         "width_threshold": Option(
             0.7, "tau_w: a depth keeps the most beams n it accepts with probability >= tau_w", 0.0, 1.0
         ),
+        # 0.3: faster and higher-scoring than unpruned forests in every Qwen run (README)
         "prune_ratio": Option(
-            0.0,
+            0.3,
             "greedy requests: a depth drafts a pair only if its draft probability is at least this fraction of "
             "the depth's best pair's (0: max_width pairs at every depth)",
             0.0,
