@@ -100,7 +100,7 @@ DSBD_CHAIN = "dsbd-chain"
 #: best, so the node budget lasts more depths (greedy requests; see
 #: methods/dsbd/drafter.py). On the ``dsbd`` engine only (the speculative beam
 #: search's and the chain's engines keep ``TREE_GRID``'s sizes).
-#: ``none`` keeps the best of them measured on Qwen (README), so a run of
+#: ``none`` keeps the best of them measured on Qwen (docs/measurements.md), so a run of
 #: defaults still shows pruned ``dsbd`` beside the defaults.
 DSBD_PRUNE_GRID = {
     "none": [(6, 16, 0.3)],
@@ -112,7 +112,8 @@ DSBD_PRUNE_GRID = {
 #: draft's confidence) and with none (``no-stop``: always the full depth),
 #: on one engine at depth ``MCSD_DEPTH``. ``[1]`` is the target-initialised
 #: shape (see methods/mcsd/drafter.py).
-#: ``[2, 2]`` lost to ``[2]`` and ``[1]`` in every run on CPU (README, "mcsd"): ``full`` only.
+#: ``[2, 2]`` lost to ``[2]`` and ``[1]`` in every run on CPU (docs/measurements.md,
+#: "`mcsd` on the same pair"): ``full`` only.
 MCSD_GRID = {"none": [[1]], "quick": [[2], [1]], "full": [[4, 2, 2], [2, 2], [2], [1]]}
 MCSD_DEPTH = 6
 #: ``mcsd`` with the ``--stop-model`` (``vllm-specbeam mcsd train``), as its own row, with the

@@ -18,7 +18,7 @@ the per-step budget learns their acceptance by sibling rank), the search
 fills the rest of the budget and only runs for what is left (a budget the
 matches already fill runs no search at all). ``"prompt_lookup_max": 0`` is
 the paper's tri-gram search alone. (An extension of the paper, measured in
-the README.)
+docs/measurements.md.)
 
 Adaptation counts each committed tri-gram once, when it is committed: a new
 request's whole prompt (or its last ``adapt_window`` tokens, when set and

@@ -72,7 +72,7 @@ class DsbdDrafter(DraftModelDrafter):
         "width_threshold": Option(
             0.7, "tau_w: a depth keeps the most beams n it accepts with probability >= tau_w", 0.0, 1.0
         ),
-        # 0.3: faster and higher-scoring than unpruned forests in every Qwen run (README)
+        # 0.3: faster and higher-scoring than unpruned forests in every Qwen run (docs/measurements.md)
         "prune_ratio": Option(
             0.3,
             "greedy requests: a depth drafts a pair only if its draft probability is at least this fraction of "
