@@ -98,17 +98,17 @@ SYNC_SUFFIX = "+sync"
 #: the same work. Its own row, so the adaptive width's best stays apart.
 DSBD_CHAIN = "dsbd-chain"
 
-#: ``dsbd``'s pruned settings, (depth, nodes, ``prune_ratio``), next to the
-#: ``TREE_GRID`` points: a depth drafts only the pairs within the ratio of its
-#: best, so the node budget lasts more depths (greedy requests; see
-#: methods/dsbd/drafter.py). On the ``dsbd`` engine only (the speculative beam
-#: search's and the chain's engines keep ``TREE_GRID``'s sizes).
-#: ``none`` keeps the best of them measured on Qwen (docs/measurements.md), so a run of
-#: defaults still shows pruned ``dsbd`` beside the defaults.
+#: ``dsbd``'s settings with their own ``prune_ratio``, (depth, nodes, ratio),
+#: next to the ``TREE_GRID`` points (which run at its default ratio, 0.3): a
+#: depth drafts only the pairs within the ratio of its best, so the node budget
+#: lasts more depths (greedy requests; see methods/dsbd/drafter.py); ratio 0
+#: is the unpruned forest. On the ``dsbd`` engine only (the speculative beam
+#: search's and the chain's engines keep ``TREE_GRID``'s sizes). ``none`` keeps
+#: the best measured on Qwen (docs/measurements.md), depth 6, beside the defaults.
 DSBD_PRUNE_GRID = {
     "none": [(6, 16, 0.3)],
-    "quick": [(6, 16, 0.1), (6, 16, 0.3)],
-    "full": [(6, 16, 0.1), (6, 16, 0.3), (8, 16, 0.3)],
+    "quick": [(5, 16, 0.0), (6, 16, 0.3)],
+    "full": [(5, 16, 0.0), (6, 16, 0.1), (6, 16, 0.3), (8, 16, 0.3)],
 }
 
 #: ``mcsd``'s settings: each ``k_config`` with its default stopping rule (the
