@@ -18,9 +18,10 @@ leaves the batch.
 
 Greedy requests (temperature 0 and no ``draft_temperature``) run beam
 *search* instead: the ``max_width`` best pairs of the joint log-score, all
-distinct, without draft rows (the greedy verifier reads tokens only); with
-``prune_ratio`` only those within that ratio of the depth's best, so a depth
-where the draft is sure drafts one pair and ``max_nodes`` lasts more depths.
+distinct, without draft rows (the greedy verifier reads tokens only), and of
+those only the ones within ``prune_ratio`` (default 0.3) of the depth's best,
+so a depth where the draft is sure drafts one pair and ``max_nodes`` lasts
+more depths.
 
 Draws come from the drafter's one generator (see
 :class:`~vllm_specbeam.draft_runtime.drafter.DraftModelDrafter`), taken depth
