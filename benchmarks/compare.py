@@ -82,16 +82,13 @@ WARM_UP_TEXT = "A short sentence to warm the engine up."
 TREE_GRID = {"none": [], "quick": [(3, 8), (5, 16)], "full": [(2, 4), (3, 8), (4, 16), (6, 24), (8, 32)]}
 CHAIN_GRID = {"none": [4], "quick": [4], "full": [2, 4, 6]}
 DRAFT_GRID = {"none": [3], "quick": [3, 5], "full": [3, 5]}
-#: vLLM's own speculative methods, each a chain per K of its grid
-VLLM_CHAINS = ("ngram", "draft_model", "suffix")
 BEAM_GRID = {"none": [4], "quick": [2, 4], "full": [2, 4]}
 
-#: vLLM's own rows (``none``, ``draft_model``, ...) named with this suffix run
-#: again with asynchronous scheduling off, as vLLM runs every ``custom_class``
-#: method (the plugin's): the runtimes compared under one scheduler. vLLM turns
-#: it on by default; its engine core then works beside the worker's threads,
-#: which on a 2-core CPU compete with them.
-SYNC_SUFFIX = "+sync"
+#: vLLM's ``draft_model`` with asynchronous scheduling off, as vLLM runs every
+#: ``custom_class`` method (the plugin's): the runtimes compared under one
+#: scheduler. vLLM turns it on for ``draft_model``; on a 2-core CPU its engine
+#: core then competes with the worker's threads. Only when named.
+DRAFT_MODEL_SYNC = "draft_model+sync"
 
 #: ``dsbd`` at ``max_width: 1``: a chain from the same draft as vLLM's
 #: ``draft_model``, at the same K (``DRAFT_GRID``), the runtimes compared on
@@ -264,19 +261,14 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
     vocab_only = {m.removesuffix(VOCAB_SUFFIX) for m in wanted or () if m.endswith(VOCAB_SUFFIX)} - (wanted or set())
     if vocab_only and not args.draft_vocab_path:
         raise SystemExit(f"{sorted(m + VOCAB_SUFFIX for m in vocab_only)} need --draft-vocab")
-    # "X+sync": X's engines (vLLM's own methods) again with async scheduling off; without "X", only those
-    sync_rows = {m.removesuffix(SYNC_SUFFIX) for m in wanted or () if m.endswith(SYNC_SUFFIX)}
-    if sync_rows - {"none", *VLLM_CHAINS}:
-        raise SystemExit(
-            f"{sorted(m + SYNC_SUFFIX for m in sync_rows - {'none', *VLLM_CHAINS})}: only vLLM's own methods "
-            f"({', '.join(['none', *VLLM_CHAINS])}) have a {SYNC_SUFFIX} row (the plugin's always run without)"
-        )
-    sync_only = sync_rows - (wanted or set()) - {"none"}
     if wanted is not None:
-        wanted = {m.removesuffix(VOCAB_SUFFIX).removesuffix(SYNC_SUFFIX) for m in wanted}
+        wanted = {m.removesuffix(VOCAB_SUFFIX) for m in wanted}
     unknown = (wanted or set()) - {
         "none",
-        *VLLM_CHAINS,
+        "ngram",
+        "draft_model",
+        DRAFT_MODEL_SYNC,
+        "suffix",
         "beam_search",
         SPEC_BEAM,
         DSBD_CHAIN,
@@ -289,12 +281,16 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
     status: dict[str, MethodStatus] = {}
     engines: list[EngineSpec] = []
 
-    def chain(method: str, grid: list[int], base: dict[str, Any]) -> None:
-        status[method] = MethodStatus("vllm")
+    def chain(
+        method: str, grid: list[int], base: dict[str, Any], row: str = "", engine_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        row = row or method
+        status[row] = MethodStatus("vllm")
         for k in grid:
             config = {"method": method, "num_speculative_tokens": k, **base}
+            setting = Setting(f"k{k}", {"num_speculative_tokens": k})
             engines.append(
-                EngineSpec(f"{method}-k{k}", method, "vllm", config, [Setting(f"k{k}", {"num_speculative_tokens": k})])
+                EngineSpec(f"{row.replace('+', '-')}-k{k}", row, "vllm", config, [setting], dict(engine_kwargs or {}))
             )
 
     if wanted is None or "ngram" in wanted:
@@ -304,6 +300,11 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             chain("draft_model", args.draft_ks or DRAFT_GRID[args.sweep], {"model": args.draft_path})
         else:
             status["draft_model"] = MethodStatus("vllm", "skipped", "needs --draft")
+    if wanted is not None and DRAFT_MODEL_SYNC in wanted:
+        if not args.draft:
+            raise SystemExit(f"{DRAFT_MODEL_SYNC} needs --draft")
+        ks = args.draft_ks or DRAFT_GRID[args.sweep]
+        chain("draft_model", ks, {"model": args.draft_path}, DRAFT_MODEL_SYNC, {"async_scheduling": False})
     if wanted is None or "suffix" in wanted:
         if importlib.util.find_spec("arctic_inference") is not None:
             chain("suffix", SUFFIX_GRID[args.sweep], {})
@@ -391,22 +392,16 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
                 EngineSpec("aded-corpus", ADED_CORPUS, "plugin", {**config, "trigram": args.trigram_path}, settings)
             )
 
-    def twins(originals: list[EngineSpec], suffix: str, only: set[str], **change: dict[str, Any]) -> None:
-        """Each engine again as its method's ``suffix`` row, ``change`` merged into its config or
-        engine arguments; the original dropped when its method is in ``only``."""
-        for engine in originals:
-            row = engine.method + suffix
-            status[row] = MethodStatus(engine.kind)
-            merged = {key: {**(getattr(engine, key) or {}), **value} for key, value in change.items()}
-            engines.append(replace(engine, id=engine.id + suffix.replace("+", "-"), method=row, **merged))
-            if engine.method in only:
-                engines.remove(engine)
-                status.pop(engine.method, None)
-
     if args.draft_vocab_path:
         drafting = [e for e in engines if e.kind == "plugin" and e.method != SPEC_BEAM and e.speculative_config]
-        with_model = [e for e in drafting if "model" in (e.speculative_config or {})]
-        twins(with_model, VOCAB_SUFFIX, vocab_only, speculative_config={"draft_vocab": args.draft_vocab_path})
+        for engine in [e for e in drafting if "model" in (e.speculative_config or {})]:
+            row = engine.method + VOCAB_SUFFIX
+            status[row] = MethodStatus("plugin")
+            config = {**(engine.speculative_config or {}), "draft_vocab": args.draft_vocab_path}
+            engines.append(replace(engine, id=engine.id + "-vocab", method=row, speculative_config=config))
+            if engine.method in vocab_only:
+                engines.remove(engine)
+                status.pop(engine.method, None)
     untwinned = vocab_only - {e.method.removesuffix(VOCAB_SUFFIX) for e in engines if e.method.endswith(VOCAB_SUFFIX)}
     if untwinned:
         raise SystemExit(
@@ -430,11 +425,6 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
     # The baseline runs last: it also scores every output under the target.
     status["none"] = MethodStatus("baseline")
     engines.append(EngineSpec("none", "none", "baseline", None, [Setting("-", {})]))
-    # the baseline's twin is a vLLM row like the others; the baseline stays last
-    synced = [e for e in engines if e.kind == "vllm" and e.method in sync_rows]
-    synced += [replace(engines[-1], kind="vllm")] if "none" in sync_rows else []
-    twins(synced, SYNC_SUFFIX, sync_only, engine_kwargs={"async_scheduling": False})
-    engines.append(engines.pop(next(i for i, e in enumerate(engines) if e.kind == "baseline")))
     for engine in engines:
         status[engine.method].engines.append(engine.id)
     return status, engines
@@ -1254,10 +1244,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--methods",
         nargs="+",
         default=["all"],
-        help="subset of: none ngram draft_model suffix beam_search <plugin methods> and their rows "
+        help="subset of: none ngram draft_model draft_model+sync suffix beam_search <plugin methods> and their rows "
         "(dsbd-chain, mcsd+stop, ...); with --draft-vocab, METHOD+vocab alone runs only the "
-        "vocabulary's engine of METHOD; vLLM's METHOD+sync runs it with async scheduling off (alone: only "
-        "that); 'none' always runs",
+        "vocabulary's engine of METHOD; 'none' always runs",
     )
     parser.add_argument(
         "--sweep",

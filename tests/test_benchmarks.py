@@ -345,21 +345,18 @@ def test_plan_follows_plugin_methods():
     )
     assert [e.id for e in engines] == ["draft_model-k5", "draft_model-k7", compare.DSBD_CHAIN, "none"]
     assert [s.label for s in engines[2].settings] == ["k5", "k7"]
-    # vLLM's rows with async scheduling off: twins of their engines, alone when named without the row itself
-    sync = {"async_scheduling": False}
-    status, engines = compare.plan(plan_args(draft="d", draft_path="/d", methods=["draft_model+sync", "none+sync"]))
-    assert [(e.id, e.method, e.kind, e.engine_kwargs) for e in engines] == [
-        *((f"draft_model-k{k}-sync", "draft_model+sync", "vllm", sync) for k in ks),
-        ("none-sync", "none+sync", "vllm", sync),
-        ("none", "none", "baseline", {}),
+    # draft_model with async scheduling off: its own row, only when named, on engines of its own
+    status, engines = compare.plan(plan_args(draft="d", draft_path="/d", methods=[compare.DRAFT_MODEL_SYNC]))
+    assert [(e.id, e.method, e.engine_kwargs) for e in engines[:-1]] == [
+        (f"draft_model-sync-k{k}", compare.DRAFT_MODEL_SYNC, {"async_scheduling": False}) for k in ks
     ]
     assert engines[0].speculative_config == {"method": "draft_model", "num_speculative_tokens": ks[0], "model": "/d"}
-    assert "draft_model" not in status and status["none+sync"].engines == ["none-sync"]
-    _, engines = compare.plan(plan_args(draft="d", draft_path="/d", methods=["draft_model", "draft_model+sync"]))
-    assert [e.engine_kwargs for e in engines if e.method == "draft_model"] == [{}] * len(ks)
-    assert all(not e.engine_kwargs for e in compare.plan(plan_args(draft="d", draft_path="/d"))[1] if e.kind == "vllm")
-    with pytest.raises(SystemExit, match=r"\['dsbd\+sync'\]: only vLLM's own methods"):
-        compare.plan(plan_args(draft="d", draft_path="/d", methods=["dsbd+sync"]))
+    assert "draft_model" not in status and status[compare.DRAFT_MODEL_SYNC].engines == [e.id for e in engines[:-1]]
+    status, engines = compare.plan(plan_args(draft="d", draft_path="/d"))
+    assert compare.DRAFT_MODEL_SYNC not in status
+    assert all(not e.engine_kwargs for e in engines if e.method == "draft_model")
+    with pytest.raises(SystemExit, match="needs --draft"):
+        compare.plan(plan_args(methods=[compare.DRAFT_MODEL_SYNC]))
     with pytest.raises(SystemExit, match="unknown method"):
         compare.plan(plan_args(methods=["nope"]))
 
@@ -540,8 +537,7 @@ def test_intel_openmp_preload_prepends_once_and_respects_off(monkeypatch, tmp_pa
 
 def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     """none + lookup_tree on the tiny model: two engines, each started twice (rounds), greedy,
-    batch sizes 1 and 2; the JSON, table and plot agree with each other. ``none+sync`` once,
-    its async scheduling off as vLLM turns it off for the plugin."""
+    batch sizes 1 and 2; the JSON, table and plot agree with each other."""
     from conftest import make_prompts
 
     prompts = tmp_path / "prompts.jsonl"
@@ -589,17 +585,6 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     }
     # vLLM's own resolution: on by default, off for custom_class methods such as the plugin's
     assert {e["id"]: e["async_scheduling"] for e in result["engines"]} == {"lookup_tree": False, "none": True}
-    # the baseline's twin with async scheduling off, one round, batch 1
-    command[command.index("--engine-rounds") + 1] = "1"
-    command[command.index("--batch-sizes") + 1 : command.index("--temperatures")] = ["1"]
-    command[command.index("--methods") + 1 : command.index("--sweep")] = ["none+sync"]
-    command[-1] = str(tmp_path / "sync")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    synced = json.loads((tmp_path / "sync" / "result.json").read_text())
-    assert {e["id"]: e["async_scheduling"] for e in synced["engines"]} == {"none-sync": False, "none": True}
-    (sync_run,) = [r for r in synced["runs"] if r["method"] == "none+sync"]
-    assert sync_run["exact_match"] == 1.0 and sync_run["accepted_per_step"] is None
     assert result["environment"]["vllm"].startswith("0.32")
     runs = {(r["method"], r["batch_size"]): r for r in result["runs"]}
     assert set(runs) == {(m, b) for m in ("none", "lookup_tree") for b in (1, 2)}
