@@ -84,12 +84,6 @@ CHAIN_GRID = {"none": [4], "quick": [4], "full": [2, 4, 6]}
 DRAFT_GRID = {"none": [3], "quick": [3, 5], "full": [3, 5]}
 BEAM_GRID = {"none": [4], "quick": [2, 4], "full": [2, 4]}
 
-#: vLLM's ``draft_model`` with asynchronous scheduling off, as vLLM runs every
-#: ``custom_class`` method (the plugin's): the runtimes compared under one
-#: scheduler. vLLM turns it on for ``draft_model``; on a 2-core CPU its engine
-#: core then competes with the worker's threads. Only when named.
-DRAFT_MODEL_SYNC = "draft_model+sync"
-
 #: ``dsbd`` at ``max_width: 1``: a chain from the same draft as vLLM's
 #: ``draft_model``, at the same K (``DRAFT_GRID``), the runtimes compared on
 #: the same work. Its own row, so the adaptive width's best stays apart.
@@ -267,7 +261,6 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         "none",
         "ngram",
         "draft_model",
-        DRAFT_MODEL_SYNC,
         "suffix",
         "beam_search",
         SPEC_BEAM,
@@ -281,16 +274,12 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
     status: dict[str, MethodStatus] = {}
     engines: list[EngineSpec] = []
 
-    def chain(
-        method: str, grid: list[int], base: dict[str, Any], row: str = "", engine_kwargs: dict[str, Any] | None = None
-    ) -> None:
-        row = row or method
-        status[row] = MethodStatus("vllm")
+    def chain(method: str, grid: list[int], base: dict[str, Any]) -> None:
+        status[method] = MethodStatus("vllm")
         for k in grid:
             config = {"method": method, "num_speculative_tokens": k, **base}
-            setting = Setting(f"k{k}", {"num_speculative_tokens": k})
             engines.append(
-                EngineSpec(f"{row.replace('+', '-')}-k{k}", row, "vllm", config, [setting], dict(engine_kwargs or {}))
+                EngineSpec(f"{method}-k{k}", method, "vllm", config, [Setting(f"k{k}", {"num_speculative_tokens": k})])
             )
 
     if wanted is None or "ngram" in wanted:
@@ -300,11 +289,6 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
             chain("draft_model", args.draft_ks or DRAFT_GRID[args.sweep], {"model": args.draft_path})
         else:
             status["draft_model"] = MethodStatus("vllm", "skipped", "needs --draft")
-    if wanted is not None and DRAFT_MODEL_SYNC in wanted:
-        if not args.draft:
-            raise SystemExit(f"{DRAFT_MODEL_SYNC} needs --draft")
-        ks = args.draft_ks or DRAFT_GRID[args.sweep]
-        chain("draft_model", ks, {"model": args.draft_path}, DRAFT_MODEL_SYNC, {"async_scheduling": False})
     if wanted is None or "suffix" in wanted:
         if importlib.util.find_spec("arctic_inference") is not None:
             chain("suffix", SUFFIX_GRID[args.sweep], {})
@@ -617,7 +601,7 @@ def worker(job_path: Path) -> None:
     records = list(runs.values())
     scores = _score(llm, prompt_ids, job["score"], records) if job["score_outputs"] else None
     tick()
-    # as vLLM resolved it (on by default, off for custom_class methods such as the plugin's)
+    # as vLLM resolved it: never for custom_class methods (the plugin's), never on CPU (its platform)
     async_scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     result = {"start_s": start_s, "async_scheduling": async_scheduling, "runs": records, "scores": scores}
     Path(job["result"]).write_text(json.dumps(result))
@@ -1244,7 +1228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--methods",
         nargs="+",
         default=["all"],
-        help="subset of: none ngram draft_model draft_model+sync suffix beam_search <plugin methods> and their rows "
+        help="subset of: none ngram draft_model suffix beam_search <plugin methods> and their rows "
         "(dsbd-chain, mcsd+stop, ...); with --draft-vocab, METHOD+vocab alone runs only the "
         "vocabulary's engine of METHOD; 'none' always runs",
     )

@@ -345,18 +345,6 @@ def test_plan_follows_plugin_methods():
     )
     assert [e.id for e in engines] == ["draft_model-k5", "draft_model-k7", compare.DSBD_CHAIN, "none"]
     assert [s.label for s in engines[2].settings] == ["k5", "k7"]
-    # draft_model with async scheduling off: its own row, only when named, on engines of its own
-    status, engines = compare.plan(plan_args(draft="d", draft_path="/d", methods=[compare.DRAFT_MODEL_SYNC]))
-    assert [(e.id, e.method, e.engine_kwargs) for e in engines[:-1]] == [
-        (f"draft_model-sync-k{k}", compare.DRAFT_MODEL_SYNC, {"async_scheduling": False}) for k in ks
-    ]
-    assert engines[0].speculative_config == {"method": "draft_model", "num_speculative_tokens": ks[0], "model": "/d"}
-    assert "draft_model" not in status and status[compare.DRAFT_MODEL_SYNC].engines == [e.id for e in engines[:-1]]
-    status, engines = compare.plan(plan_args(draft="d", draft_path="/d"))
-    assert compare.DRAFT_MODEL_SYNC not in status
-    assert all(not e.engine_kwargs for e in engines if e.method == "draft_model")
-    with pytest.raises(SystemExit, match="needs --draft"):
-        compare.plan(plan_args(methods=[compare.DRAFT_MODEL_SYNC]))
     with pytest.raises(SystemExit, match="unknown method"):
         compare.plan(plan_args(methods=["nope"]))
 
@@ -583,8 +571,8 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         "lookup_tree": ("ok", 2),
         "none": ("ok", 2),
     }
-    # vLLM's own resolution: on by default, off for custom_class methods such as the plugin's
-    assert {e["id"]: e["async_scheduling"] for e in result["engines"]} == {"lookup_tree": False, "none": True}
+    # vLLM's own resolution, recorded: off for custom_class methods, and for every engine on CPU
+    assert {e["id"]: e["async_scheduling"] for e in result["engines"]} == {"lookup_tree": False, "none": False}
     assert result["environment"]["vllm"].startswith("0.32")
     runs = {(r["method"], r["batch_size"]): r for r in result["runs"]}
     assert set(runs) == {(m, b) for m in ("none", "lookup_tree") for b in (1, 2)}
