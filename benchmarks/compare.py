@@ -313,7 +313,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
         if method.needs_draft_model:
             config.update(model=args.draft_path, draft_dtype=args.draft_dtype)
         if name == "mcsd":
-            config, settings = mcsd_plan(config, args.sweep)
+            config, settings = mcsd_plan(config, args.sweep, args.mcsd_depths)
         if name == "mjsd":
             config, settings = mjsd_plan(config, args.sweep)
         if not extra_rows_only:
@@ -414,24 +414,24 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, MethodStatus], list[Engine
     return status, engines
 
 
-def mcsd_plan(config: dict[str, Any], sweep: str) -> tuple[dict[str, Any], list[Setting]]:
-    """The ``mcsd`` engine (sized for the grid's largest tree) and its settings (see ``MCSD_GRID``)."""
+def mcsd_plan(
+    config: dict[str, Any], sweep: str, depths: list[int] | None = None
+) -> tuple[dict[str, Any], list[Setting]]:
+    """The ``mcsd`` engine (sized for the grid's largest tree at the deepest of ``depths``,
+    default ``[MCSD_DEPTH]``) and its settings (see ``MCSD_GRID``), each at every depth
+    (labelled ``d8/k1`` when more than one depth runs; requests lower the engine's depth)."""
     from vllm_specbeam.methods.mcsd.maths import level_sizes
 
-    grid = MCSD_GRID[sweep]
-    nodes = max(sum(level_sizes(k, MCSD_DEPTH)) for k in grid)
+    grid, depths = MCSD_GRID[sweep], depths or [MCSD_DEPTH]
+    nodes = max(sum(level_sizes(k, max(depths))) for k in grid)
     settings = []
-    for k_config in grid:
-        label = "k" + ",".join(map(str, k_config))
-        settings.append(Setting(label, {"k_config": k_config}, extra_args={"k_config": k_config}))
-        settings.append(
-            Setting(
-                f"{label}/no-stop",
-                {"k_config": k_config, "stop_threshold": 0.0},
-                extra_args={"k_config": k_config, "stop_threshold": 0.0},
-            )
-        )
-    return {**config, "num_speculative_tokens": MCSD_DEPTH, "max_nodes": nodes, "k_config": grid[0]}, settings
+    for depth, k_config in itertools.product(depths, grid):
+        label = ("" if len(depths) == 1 else f"d{depth}/") + "k" + ",".join(map(str, k_config))
+        options = {"k_config": k_config} | ({} if len(depths) == 1 else {"num_speculative_tokens": depth})
+        settings.append(Setting(label, options, extra_args=dict(options)))
+        no_stop = {**options, "stop_threshold": 0.0}
+        settings.append(Setting(f"{label}/no-stop", no_stop, extra_args=dict(no_stop)))
+    return {**config, "num_speculative_tokens": max(depths), "max_nodes": nodes, "k_config": grid[0]}, settings
 
 
 def dsbd_plan(config: dict[str, Any], settings: list[Setting], sweep: str) -> tuple[dict[str, Any], list[Setting]]:
@@ -1247,6 +1247,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=None,
         help="draft_model's num_speculative_tokens, an engine each, and dsbd-chain's (default: the sweep's)",
+    )
+    parser.add_argument(
+        "--mcsd-depths",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"mcsd's num_speculative_tokens (its stopping rule's deepest level), each a setting on one "
+        f"engine (default {MCSD_DEPTH})",
     )
     parser.add_argument(
         "--beam-depths",

@@ -252,6 +252,7 @@ def plan_args(**kwargs) -> argparse.Namespace:
         "beam_widths": None,
         "beam_depths": None,
         "draft_ks": None,
+        "mcsd_depths": None,
     }
     return argparse.Namespace(**{**defaults, **kwargs})
 
@@ -408,6 +409,22 @@ def test_plan_runs_mcsd_settings_on_one_engine_and_the_stop_model_apart():
         plan_args(draft="d", draft_path="/d", methods=[compare.MCSD_STOP], stop_model="s", stop_model_path="/s")
     )
     assert [e.id for e in engines] == ["mcsd-stop", "none"] and "mcsd" not in status
+
+
+def test_plan_runs_mcsd_depths_as_settings_of_one_engine_sized_for_the_deepest():
+    from vllm_specbeam.methods.mcsd.drafter import McsdDrafter
+
+    _, engines = compare.plan(
+        plan_args(draft="d", draft_path="/d", methods=["none", "mcsd"], sweep="none", mcsd_depths=[6, 10])
+    )
+    engine = {e.id: e for e in engines}["mcsd"]
+    assert engine.speculative_config["num_speculative_tokens"] == 10
+    assert engine.speculative_config["max_nodes"] == 10  # the chain [1] at depth 10
+    assert [s.label for s in engine.settings] == ["d6/k1", "d6/k1/no-stop", "d10/k1", "d10/k1/no-stop"]
+    assert [s.extra_args["num_speculative_tokens"] for s in engine.settings] == [6, 6, 10, 10]
+    for setting in engine.settings:
+        options = {name: option.default for name, option in McsdDrafter.OPTIONS.items()}
+        McsdDrafter.check_options({**options, **engine.speculative_config, **setting.extra_args})
 
 
 def test_engine_rounds_alternate_and_pool_runs():
