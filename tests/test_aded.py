@@ -16,7 +16,7 @@ from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.aded import drafter as drafter_module
 from vllm_specbeam.methods.aded import mcts, trigram
-from vllm_specbeam.methods.aded.drafter import CONTEXT, CORPUS, AdedDrafter, Draft
+from vllm_specbeam.methods.aded.drafter import CONTEXT, CORPUS, SEARCH_KIND, AdedDrafter, Draft
 from vllm_specbeam.methods.aded.mcts import SearchParams, SuccessorTable, search, selection_scores
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 
@@ -538,6 +538,9 @@ def test_the_tree_starts_with_what_lookup_tree_drafts(budget: int) -> None:
     assert expected.num_nodes >= 1
     assert first.tokens.tolist() == expected.tokens.tolist() and first.parents.tolist() == expected.parents.tolist()
     assert tree.num_nodes == budget  # the search filled the rest (the 4 tokens have successors)
+    # the step budget tells them apart: the matches' kind (as lookup_tree's), then the search's
+    assert first.kinds.tolist() == expected.kinds.tolist()
+    assert tree.kinds[expected.num_nodes :].tolist() == [SEARCH_KIND] * (budget - expected.num_nodes)
 
 
 def test_prompt_lookup_options_are_checked() -> None:

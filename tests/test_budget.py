@@ -177,7 +177,7 @@ def test_budget_keeps_nodes_that_are_accepted():
     budget.cost = StepCost(0.020, 0.001)
     kept = run_steps(budget, accept=True, steps=40)
     assert all(k >= 4 for k in kept[-20:])
-    assert budget.rates("r")[0, 0] > 0.9
+    assert budget.rates("r")[0, 0, 0] > 0.9
 
 
 def test_new_request_starts_from_the_engine_rates():
@@ -186,7 +186,44 @@ def test_new_request_starts_from_the_engine_rates():
     run_steps(budget, accept=False, steps=30)
     fresh = budget.draft_cap("new", 8)
     assert fresh == 8
-    assert budget.rates("new")[0, 0] < 0.2  # learnt from "r": the engine's drafts do not pay
+    assert budget.rates("new")[0, 0, 0] < 0.2  # learnt from "r": the engine's drafts do not pay
+
+
+def test_kinds_are_calibrated_apart():
+    """A drafter's kinds tell nodes at the same depth and rank apart: one kind always
+    accepted, the other never, alternating step by step. Pooled (no kinds) each is worth
+    one half, which does not pay at this cost; told apart, the good kind is kept."""
+
+    def kept_after_training(kinds: tuple[int, int]) -> list[int]:
+        budget = StepBudget()
+        # (1 + p) / (5 + 2 x 15 ms) against 1 / (5 + 15 ms): a node pays when p > 0.75
+        budget.cost = StepCost(0.005, 0.015)
+        length, kept = 10, []
+        for step in range(40):
+            good = step % 2 == 0
+            tree = DraftTree.chain([7]).with_kinds(kinds[0] if good else kinds[1])
+            kept.append(budget.prune(["r"], [tree], [length], batch_size=1)[0].num_nodes)
+            committed = [7, 8] if good else [9]
+            length += len(committed)
+            budget.observe_committed("r", committed, length)
+        return kept[-10:]
+
+    assert kept_after_training((0, 2)) == [1, 0] * 5
+    assert kept_after_training((0, 0)) == [0] * 10
+    assert TreeShape.of(DraftTree([5, 6], [-1, 0], kinds=[0, 9])).cells == [
+        0,
+        3 * 32 + 4,
+    ]  # kinds past the last share it
+
+
+def test_kinds_survive_pruning_and_truncation():
+    tree = DraftTree([1, 2, 3, 4], [-1, -1, 0, 1]).with_kinds([0, 1, 2, 3])
+    assert tree.keep(np.array([True, True, False, True])).kinds.tolist() == [0, 1, 3]
+    assert tree.truncate(2).kinds.tolist() == [0, 1]
+    assert tree.with_tokens(np.array([9, 9, 9])).kinds.tolist() == [0, 1, 2]
+    assert DraftTree.chain([1, 2]).with_kinds(2).kinds.tolist() == [2, 2]
+    with pytest.raises(ValueError, match="kinds"):
+        DraftTree([1], [-1], kinds=[-1])
 
 
 def test_a_stale_tree_is_not_judged():

@@ -13,7 +13,7 @@ from test_lookup_tree_engine import _read_stats, greedy, runner_stats, token_ids
 
 from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
-from vllm_specbeam.core.lookup import match_ends
+from vllm_specbeam.core.lookup import match_ends, match_kind
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 from vllm_specbeam.methods.lookup_tree.index import SEPARATOR, SuffixIndex
 
@@ -81,6 +81,19 @@ def test_the_longer_match_drafts_and_opted_out_requests_are_not_indexed() -> Non
     assert tree.tokens.tolist() == [4, 5, 6, 7]
     local = LookupTreeDrafter(options()).propose([request])[0]
     assert local.tokens.tolist() == [8, 0, 1, 2] and not LookupTreeDrafter(options()).learns_across_requests
+
+
+def test_nodes_are_labelled_with_the_length_of_their_match() -> None:
+    """The step budget calibrates 4+, 3 and 2-token matches' nodes apart (``match_kind``)."""
+    drafter = LookupTreeDrafter(options())
+    for prompt, kind in (
+        ([1, 2, 3, 4, 9, 1, 2, 3, 4], 0),
+        ([7, 2, 3, 4, 9, 1, 2, 3, 4], 1),
+        ([7, 8, 3, 4, 9, 1, 2, 3, 4], 2),
+    ):
+        tree = drafter.propose([DraftRequest("r", np.asarray(prompt), options())])[0]
+        assert tree.tokens.tolist()[:1] == [9] and set(tree.kinds.tolist()) == {kind}
+    assert [match_kind(n) for n in (1, 2, 3, 4, 5, 24)] == [2, 2, 1, 0, 0, 0]
 
 
 def test_the_global_scope_drafts_as_deep_as_the_match_is_long() -> None:

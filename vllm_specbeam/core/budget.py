@@ -1,12 +1,16 @@
 """Each step's draft nodes, chosen from measured costs (``"max_nodes": "auto"``).
 
 A node is worth the probability that the target accepts it, which is the
-probability that its whole path is accepted. With ``c(d, r)`` the chance that
-a node at depth ``d``, ranked ``r`` among its siblings (0 = the drafter's
-favourite), is accepted when its parent was, a node is worth the product of
-``c`` along its path. A step that verifies ``R`` rows costs ``C(R)`` seconds
-and commits one token per request plus the accepted nodes, so the budget keeps
-the ``n`` most valuable nodes of the whole batch that maximise::
+probability that its whole path is accepted. With ``c(k, d, r)`` the chance
+that a node of kind ``k`` at depth ``d``, ranked ``r`` among its siblings (0 =
+the drafter's favourite), is accepted when its parent was, a node is worth the
+product of ``c`` along its path. Kinds are the drafter's labels
+(``DraftTree.kinds``, 0 without them): ``lookup_tree`` tells its matches'
+lengths apart, ``aded`` also its search's nodes, so a 2-token match or a
+tri-gram guess is not valued like a 5-token match at the same depth and rank.
+A step that verifies ``R`` rows costs ``C(R)`` seconds and commits one token per
+request plus the accepted nodes, so the budget keeps the ``n`` most valuable
+nodes of the whole batch that maximise::
 
     (requests + sum of the n best values) / C(rows without drafts + n)
 
@@ -44,9 +48,12 @@ import numpy as np
 
 from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 
-#: depths and sibling ranks beyond these share the last bucket
+#: depths, sibling ranks and node kinds beyond these share the last bucket
 DEPTH_BUCKETS = 8
 RANK_BUCKETS = 4
+KIND_BUCKETS = 4
+#: acceptance is counted per (kind, depth, rank) cell
+CELLS = KIND_BUCKETS * DEPTH_BUCKETS * RANK_BUCKETS
 #: a request's rate is ``(hits + PRIOR_TRIALS * engine rate) / (trials + PRIOR_TRIALS)``
 PRIOR_TRIALS = 4.0
 #: per observed tree: how much older trials still count (request, engine)
@@ -63,23 +70,27 @@ class TreeShape:
 
     parents: list[int]
     depths: list[int]
-    #: the cell of ``rates.ravel()`` each node reads: depth bucket x RANK_BUCKETS + rank bucket
+    #: the cell of ``rates.ravel()`` each node reads:
+    #: (kind bucket x DEPTH_BUCKETS + depth bucket) x RANK_BUCKETS + rank bucket
     cells: list[int]
 
     @classmethod
     def of(cls, tree: DraftTree) -> TreeShape:
         """Example: parents ``[-1, -1, 0, 0, 1]`` have depths ``[1, 1, 2, 2, 2]``,
-        sibling ranks ``[0, 1, 0, 1, 0]``, cells ``[0, 1, 4, 5, 4]``."""
+        sibling ranks ``[0, 1, 0, 1, 0]``, cells ``[0, 1, 4, 5, 4]``; with kinds
+        ``[0, 0, 0, 0, 2]`` the last node's cell is 2 x 32 + 4 = 68."""
         parents = tree.parents.tolist()
+        kinds = [0] * len(parents) if tree.kinds is None else tree.kinds.tolist()
         depths: list[int] = []
         cells: list[int] = []
         children: dict[int, int] = {}
-        for parent in parents:
+        for parent, kind in zip(parents, kinds):
             depth = 1 if parent == ROOT else depths[parent] + 1
             rank = children.get(parent, 0)
             children[parent] = rank + 1
             depths.append(depth)
-            cells.append((min(depth, DEPTH_BUCKETS) - 1) * RANK_BUCKETS + min(rank, RANK_BUCKETS - 1))
+            row = min(kind, KIND_BUCKETS - 1) * DEPTH_BUCKETS + min(depth, DEPTH_BUCKETS) - 1
+            cells.append(row * RANK_BUCKETS + min(rank, RANK_BUCKETS - 1))
         return cls(parents, depths, cells)
 
 
@@ -103,7 +114,8 @@ def matched_nodes(tree: DraftTree, shape: TreeShape, committed: Sequence[int]) -
 
 
 def path_values(shape: TreeShape, rates: np.ndarray) -> list[float]:
-    """Each node's chance of being accepted: the product of ``rates[depth, rank]`` along its path."""
+    """Each node's chance of being accepted: the product of its cells' rates
+    (``rates[kind, depth, rank]``) along its path."""
     flat = rates.ravel().tolist()
     values: list[float] = []
     for parent, cell in zip(shape.parents, shape.cells):
@@ -113,10 +125,10 @@ def path_values(shape: TreeShape, rates: np.ndarray) -> list[float]:
 
 @dataclass
 class AcceptanceCounts:
-    """Decayed trials and hits per (depth, rank) cell."""
+    """Decayed trials and hits per (kind, depth, rank) cell."""
 
-    trials: np.ndarray = field(default_factory=lambda: np.zeros(DEPTH_BUCKETS * RANK_BUCKETS))
-    hits: np.ndarray = field(default_factory=lambda: np.zeros(DEPTH_BUCKETS * RANK_BUCKETS))
+    trials: np.ndarray = field(default_factory=lambda: np.zeros(CELLS))
+    hits: np.ndarray = field(default_factory=lambda: np.zeros(CELLS))
 
     def add(self, trials: list[int], hits: list[int], decay: float) -> None:
         self.trials = self.trials * decay + np.bincount(trials, minlength=self.trials.size)
@@ -252,11 +264,11 @@ class StepBudget:
         return (self.engine.hits + 1.0) / (self.engine.trials + 2.0)
 
     def rates(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
-        """``c[depth bucket, rank bucket]`` for one request, non-increasing in rank."""
+        """``c[kind bucket, depth bucket, rank bucket]`` for one request, non-increasing in rank."""
         engine = self.engine_rates() if engine_rates is None else engine_rates
         counts = self.requests[req_id].counts
         rate = (counts.hits + PRIOR_TRIALS * engine) / (counts.trials + PRIOR_TRIALS)
-        return np.minimum.accumulate(rate.reshape(DEPTH_BUCKETS, RANK_BUCKETS), axis=1)
+        return np.minimum.accumulate(rate.reshape(KIND_BUCKETS, DEPTH_BUCKETS, RANK_BUCKETS), axis=2)
 
     def prune(
         self,

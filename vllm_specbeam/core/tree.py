@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -33,11 +33,18 @@ class DraftTree:
     parent)``, the distribution the drafter drew node ``i`` from, which the
     stochastic verifiers need. Deterministic drafters (lookup, tri-grams) leave
     it ``None``.
+
+    ``kinds`` is optional too: a small integer per node that the step budget
+    (:mod:`vllm_specbeam.core.budget`) calibrates acceptance by, apart from the
+    other kinds: what the drafter knows makes some nodes likelier than others
+    at the same depth and rank (a long prompt-lookup match, a search's guess).
+    ``None`` is kind 0 for every node.
     """
 
     tokens: np.ndarray
     parents: np.ndarray
     draft_probs: np.ndarray | None = None
+    kinds: np.ndarray | None = field(default=None, kw_only=True)  # keyword-only: subclasses add fields
 
     def __post_init__(self) -> None:
         tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -48,6 +55,11 @@ class DraftTree:
             raise ValueError("parents must be ROOT (-1) or an earlier node index (topological order)")
         if self.draft_probs is not None and len(self.draft_probs) != tokens.size:
             raise ValueError("draft_probs needs one row per node")
+        if self.kinds is not None:
+            kinds = np.asarray(self.kinds, dtype=np.int64).reshape(-1)
+            if kinds.shape != tokens.shape or np.any(kinds < 0):
+                raise ValueError("kinds needs one non-negative integer per node")
+            object.__setattr__(self, "kinds", kinds)
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
 
@@ -195,7 +207,7 @@ class DraftTree:
         ``[7, 9]`` give parents ``[-1, -1]`` and the mask's top-left 3 x 3.
         """
         n = len(tokens)
-        tree = DraftTree(tokens, self.parents[:n], draft_probs)
+        tree = DraftTree(tokens, self.parents[:n], draft_probs, kinds=None if self.kinds is None else self.kinds[:n])
         tree.__dict__["depths"] = self.depths[:n]  # the cached properties, precomputed
         tree.__dict__["ancestor_mask"] = self.ancestor_mask[: n + 1, : n + 1]
         return tree
@@ -216,12 +228,19 @@ class DraftTree:
         new_index = np.cumsum(mask) - 1  # [num_nodes]: old node -> new node, where kept
         new_parents = np.where(parents == ROOT, ROOT, new_index[np.maximum(parents, 0)])
         probs = None if self.draft_probs is None else self.draft_probs[mask]
-        return DraftTree(self.tokens[mask], new_parents, probs)
+        kinds = None if self.kinds is None else self.kinds[mask]
+        return DraftTree(self.tokens[mask], new_parents, probs, kinds=kinds)
 
     def truncate(self, num_nodes: int) -> DraftTree:
         """The first ``num_nodes`` nodes (still a tree: order is topological)."""
         probs = None if self.draft_probs is None else self.draft_probs[:num_nodes]
-        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], probs)
+        kinds = None if self.kinds is None else self.kinds[:num_nodes]
+        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], probs, kinds=kinds)
+
+    def with_kinds(self, kinds: np.ndarray | int) -> DraftTree:
+        """This tree with its nodes' kinds set (one integer for all of them, or one per node)."""
+        per_node = np.broadcast_to(np.asarray(kinds, np.int64), self.tokens.shape).copy()  # [num_nodes]
+        return DraftTree(self.tokens, self.parents, self.draft_probs, kinds=per_node)
 
 
 def committed_path(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> list[int]:

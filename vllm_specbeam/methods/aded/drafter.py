@@ -14,7 +14,8 @@ tokens). A tri-gram state only remembers two tokens, so below a repeated
 line the search wanders off along whichever successor of the last two
 tokens is most common, while the earlier occurrence says exactly how the
 line went on. Those branches come first (the node budget keeps them first;
-the per-step budget learns their acceptance by sibling rank), the search
+the per-step budget learns their acceptance by match length, apart from the
+search's nodes: ``DraftTree.kinds``), the search
 fills the rest of the budget and only runs for what is left (a budget the
 matches already fill runs no search at all). ``"prompt_lookup_max": 0`` is
 the paper's tri-gram search alone. (An extension of the paper, measured in
@@ -68,7 +69,7 @@ import numpy as np
 
 from vllm_specbeam.core.config import Option, SpecbeamConfigError, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
-from vllm_specbeam.core.lookup import continuations, match_ends
+from vllm_specbeam.core.lookup import continuations, match_ends, match_kind
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.aded import trigram
 from vllm_specbeam.methods.aded.mcts import SearchParams, search
@@ -82,6 +83,9 @@ SOURCE_DECAY = 0.9
 MAX_MATCHES = 64
 #: pseudo-counts every source starts from: half a node kept of one checked
 SOURCE_PRIOR_KEPT, SOURCE_PRIOR_CHECKED = 0.5, 1.0
+#: the step budget's kind of the search's nodes (the matches' are 0-2, by match length:
+#: :func:`~vllm_specbeam.core.lookup.match_kind`), so it learns whether they pay apart
+SEARCH_KIND = 3
 
 
 @dataclass
@@ -263,9 +267,13 @@ class AdedDrafter(TreeDrafter):
         rng = np.random.default_rng((options["seed"], tokens.size))
         w1, w2 = int(tokens[-2]), int(tokens[-1])
         tree = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng, first=matched.leaf_paths()).tree
+        # the matches' nodes come first in the tree: their kind says how long the match was
+        kinds = np.full(tree.num_nodes, SEARCH_KIND)  # [nodes]
+        kinds[: matched.num_nodes] = matched.kinds if matched.kinds is not None else 0
+        tree = tree.with_kinds(kinds)
         if tree.num_nodes and self.matrix.num_keys:  # without a corpus every node is the context's
             sources = _sources(tree, w1, w2, lookup)
-            sources[: matched.num_nodes] = CONTEXT  # the matches' nodes, first in the tree
+            sources[: matched.num_nodes] = CONTEXT
             state.draft = Draft(tree, sources, tokens.size)
         return tree
 
@@ -313,7 +321,7 @@ def _matched_paths(tokens: np.ndarray, options: Mapping[str, Any], depth: int, b
         return DraftTree.empty()
     found = match_ends(tokens[:-1], tokens, options["prompt_lookup_min"], options["prompt_lookup_max"])
     paths = continuations(tokens, found, depth)[:MAX_MATCHES]
-    return DraftTree.from_weighted_paths(paths, np.ones(len(paths)), budget)
+    return DraftTree.from_weighted_paths(paths, np.ones(len(paths)), budget).with_kinds(match_kind(found.length))
 
 
 def _sources(tree: DraftTree, w1: int, w2: int, lookup: Callable[[np.ndarray], trigram.Continuations]) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 
 from vllm_specbeam.core.config import Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
-from vllm_specbeam.core.lookup import NO_MATCH, continuations, match_ends
+from vllm_specbeam.core.lookup import NO_MATCH, continuations, match_ends, match_kind
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.methods.lookup_tree.index import SuffixIndex
 
@@ -119,4 +119,5 @@ class LookupTreeDrafter(TreeDrafter):
             return DraftTree.empty()
         # Equal weights: a node's weight is how many matches continue through it;
         # ties go to the most recent match (paths are listed most recent first).
-        return DraftTree.from_weighted_paths(paths, np.ones(len(paths)), opts["max_nodes"])
+        tree = DraftTree.from_weighted_paths(paths, np.ones(len(paths)), opts["max_nodes"])
+        return tree.with_kinds(match_kind(max(own.length, found.length)))
