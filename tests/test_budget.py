@@ -210,10 +210,8 @@ def test_kinds_are_calibrated_apart():
 
     assert kept_after_training((0, 2)) == [1, 0] * 5
     assert kept_after_training((0, 0)) == [0] * 10
-    assert TreeShape.of(DraftTree([5, 6], [-1, 0], kinds=[0, 9])).cells == [
-        0,
-        3 * 32 + 4,
-    ]  # kinds past the last share it
+    past_the_last = DraftTree([5, 6], [-1, 0], kinds=[0, 9])  # kinds past the last bucket share it
+    assert TreeShape.of(past_the_last).cells == [0, 3 * 32 + 4]
 
 
 def test_kinds_survive_pruning_and_truncation():

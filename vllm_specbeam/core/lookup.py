@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_specbeam.core.tree import DraftTree
+
 
 @dataclass(frozen=True)
 class Matches:
@@ -63,3 +65,11 @@ def match_kind(length: int) -> int:
     more often: replaying SmolLM2's greedy HumanEval answers through ``lookup_tree``, the
     target kept 92 % of the tried nodes of 5-token matches and 60 % of 2-token ones."""
     return 0 if length >= 4 else 1 if length == 3 else 2
+
+
+def match_tree(paths: list[np.ndarray], length: int, max_nodes: int) -> DraftTree:
+    """The continuations of a ``length``-token match merged into one tree of at most
+    ``max_nodes`` nodes, labelled with :func:`match_kind`. Equal weights: a node weighs
+    how many matches continue through it; ties go to the most recent match (``paths``
+    come most recent first)."""
+    return DraftTree.from_weighted_paths(paths, np.ones(len(paths)), max_nodes).with_kinds(match_kind(length))

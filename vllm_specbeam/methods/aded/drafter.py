@@ -69,7 +69,7 @@ import numpy as np
 
 from vllm_specbeam.core.config import Option, SpecbeamConfigError, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
-from vllm_specbeam.core.lookup import continuations, match_ends, match_kind
+from vllm_specbeam.core.lookup import continuations, match_ends, match_tree
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.aded import trigram
 from vllm_specbeam.methods.aded.mcts import SearchParams, search
@@ -269,7 +269,8 @@ class AdedDrafter(TreeDrafter):
         tree = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng, first=matched.leaf_paths()).tree
         # the matches' nodes come first in the tree: their kind says how long the match was
         kinds = np.full(tree.num_nodes, SEARCH_KIND)  # [nodes]
-        kinds[: matched.num_nodes] = matched.kinds if matched.kinds is not None else 0
+        if matched.kinds is not None:  # None: no prompt lookup (prompt_lookup_max 0)
+            kinds[: matched.num_nodes] = matched.kinds
         tree = tree.with_kinds(kinds)
         if tree.num_nodes and self.matrix.num_keys:  # without a corpus every node is the context's
             sources = _sources(tree, w1, w2, lookup)
@@ -321,7 +322,7 @@ def _matched_paths(tokens: np.ndarray, options: Mapping[str, Any], depth: int, b
         return DraftTree.empty()
     found = match_ends(tokens[:-1], tokens, options["prompt_lookup_min"], options["prompt_lookup_max"])
     paths = continuations(tokens, found, depth)[:MAX_MATCHES]
-    return DraftTree.from_weighted_paths(paths, np.ones(len(paths)), budget).with_kinds(match_kind(found.length))
+    return match_tree(paths, found.length, budget)
 
 
 def _sources(tree: DraftTree, w1: int, w2: int, lookup: Callable[[np.ndarray], trigram.Continuations]) -> np.ndarray:

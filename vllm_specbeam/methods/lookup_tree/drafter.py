@@ -21,11 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import numpy as np
-
 from vllm_specbeam.core.config import Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
-from vllm_specbeam.core.lookup import NO_MATCH, continuations, match_ends, match_kind
+from vllm_specbeam.core.lookup import NO_MATCH, continuations, match_ends, match_tree
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.methods.lookup_tree.index import SuffixIndex
 
@@ -117,7 +115,4 @@ class LookupTreeDrafter(TreeDrafter):
         paths = [p for p in paths[: opts["max_matches"]] if p.size]
         if not paths:
             return DraftTree.empty()
-        # Equal weights: a node's weight is how many matches continue through it;
-        # ties go to the most recent match (paths are listed most recent first).
-        tree = DraftTree.from_weighted_paths(paths, np.ones(len(paths)), opts["max_nodes"])
-        return tree.with_kinds(match_kind(max(own.length, found.length)))
+        return match_tree(paths, max(own.length, found.length), opts["max_nodes"])
