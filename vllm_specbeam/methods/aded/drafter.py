@@ -269,7 +269,7 @@ class AdedDrafter(TreeDrafter):
         tree = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng, first=matched.leaf_paths()).tree
         # the matches' nodes come first in the tree: their kind says how long the match was
         kinds = np.full(tree.num_nodes, SEARCH_KIND)  # [nodes]
-        if matched.kinds is not None:  # None: no prompt lookup (prompt_lookup_max 0)
+        if matched.kinds is not None:  # None: nothing matched (or prompt_lookup_max 0)
             kinds[: matched.num_nodes] = matched.kinds
         tree = tree.with_kinds(kinds)
         if tree.num_nodes and self.matrix.num_keys:  # without a corpus every node is the context's

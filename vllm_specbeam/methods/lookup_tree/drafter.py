@@ -107,12 +107,13 @@ class LookupTreeDrafter(TreeDrafter):
         low, high, depth = opts["prompt_lookup_min"], opts["prompt_lookup_max"], opts["num_speculative_tokens"]
         own = match_ends(tokens[:-1], tokens, low, high)
         found = match_ends(self.index.corpus, tokens, low, high) if self.index is not None else NO_MATCH
+        length = max(own.length, found.length)  # the longer match drafts (both when equal)
         if opts["depth_factor"] > 0:  # a 3-token match at factor 1: at most 3 deep
-            depth = min(depth, max(1, int(opts["depth_factor"] * max(own.length, found.length))))
+            depth = min(depth, max(1, int(opts["depth_factor"] * length)))
         paths = continuations(tokens, own, depth) if own.length >= found.length else []
         if self.index is not None and found.length >= own.length:
             paths += [self.index.continuation(end, depth) for end in found.ends]
         paths = [p for p in paths[: opts["max_matches"]] if p.size]
         if not paths:
             return DraftTree.empty()
-        return match_tree(paths, max(own.length, found.length), opts["max_nodes"])
+        return match_tree(paths, length, opts["max_nodes"])
