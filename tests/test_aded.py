@@ -16,7 +16,7 @@ from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.aded import drafter as drafter_module
 from vllm_specbeam.methods.aded import mcts, trigram
-from vllm_specbeam.methods.aded.drafter import CONTEXT, CORPUS, SEARCH_KIND, AdedDrafter, Draft
+from vllm_specbeam.methods.aded.drafter import CONTEXT, CORPUS, SEARCH_KIND, AdedDrafter, Draft, SearchRest
 from vllm_specbeam.methods.aded.mcts import SearchParams, SuccessorTable, search, selection_scores
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 
@@ -439,15 +439,21 @@ def test_remove_requests_frees_state() -> None:
 
 
 # ---------------------------------------------------------------- cost follows the budget
-def test_iterations_follow_the_node_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    walks: list[int] = []
+@pytest.fixture
+def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The walks (root visits) of every search the drafter runs, in order."""
+    seen: list[int] = []
 
     def counting(*args: object, **kwargs: object) -> mcts.SearchResult:
         result = search(*args, **kwargs)  # type: ignore[arg-type]
-        walks.append(result.iterations)
+        seen.append(result.iterations)
         return result
 
     monkeypatch.setattr(drafter_module, "search", counting)
+    return seen
+
+
+def test_iterations_follow_the_node_budget(walks: list[int]) -> None:
     drafter = AdedDrafter(options(max_nodes=16, iterations=150))
     prompt = [1, 2, 3, 4, 5, 6, 7] * 3 + [1, 2]
     for budget in (16, 4, 1):  # the search alone
@@ -464,6 +470,39 @@ def test_iterations_follow_the_node_budget(monkeypatch: pytest.MonkeyPatch) -> N
     assert walks == [113, 0]  # 150 x 12/16 rounded up; none when the matches fill the budget
     auto = AdedDrafter({**options(), "max_nodes": "auto", "auto_max_nodes": 16})  # the per-step budget's cap is full
     assert [auto.iterations(150, budget) for budget in (16, 4, 1)] == [150, 38, 10]
+
+
+def test_a_search_that_adds_nothing_rests_longer_each_time(walks: list[int]) -> None:
+    # One successor per tri-gram state: the walks only find the match's own path again.
+    drafter = AdedDrafter(options(max_nodes=16, iterations=150))
+    prompt = [1, 2, 3, 4, 5, 6, 7] * 3 + [1, 2]
+    for _ in range(16):
+        tree = drafter.propose([request("r", prompt)])[0]
+        assert tree.tokens.tolist() == [3, 4, 5, 6]  # resting or not, the same draft
+    on = 113  # 150 x 12/16, rounded up: the matches took 4 of the 16 nodes
+    assert walks == [on, 0, on, 0, 0, on, 0, 0, 0, 0, on, 0, 0, 0, 0, 0]  # rests of 1, 2, 4, then 8
+
+
+def test_a_search_that_adds_nodes_runs_every_step(walks: list[int]) -> None:
+    # "1 2" went on "3 4" once, but "2 3" also went on "5": the walks find "3 5", which no match drafts.
+    drafter = AdedDrafter(options(max_nodes=16, iterations=150))
+    prompt = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2]
+    for _ in range(3):
+        tree = drafter.propose([request("r", prompt)])[0]
+        assert SEARCH_KIND in tree.kinds.tolist()
+    assert len(walks) == 3 and min(walks) > 0
+
+
+def test_search_rest_doubles_and_a_fruitful_search_ends_it() -> None:
+    rest = SearchRest()
+    allowed = []
+    for step in range(12):  # the docstring's example: fruitless at 0, 2, 5; nodes added from 10 on
+        allowed.append(rest.allows())
+        if allowed[-1]:
+            rest.after(walks=10, added=int(step >= 10))
+    assert [s for s, ok in enumerate(allowed) if ok] == [0, 2, 5, 10, 11]
+    rest.after(walks=0, added=0)  # no walks (nothing to search): no rest either
+    assert rest.allows()
 
 
 # ---------------------------------------------------------------- weighing the corpus

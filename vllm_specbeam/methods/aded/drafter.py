@@ -33,7 +33,10 @@ tree of the engine's full ``max_nodes`` gets: a step that may only draft 4
 of 16 nodes runs a quarter of them, one whose budget the prompt-lookup
 branches already fill runs none. A step that drafts one or two tokens needs
 only the best one or two paths, and the runner asks for small trees exactly
-when drafting does not pay.
+when drafting does not pay. Below a passage the request repeats, the walks
+mostly rediscover the prompt-lookup branches, which merge away (measured in
+docs/measurements.md), so a request whose walks added no node of their own
+rests its search (:class:`SearchRest`).
 
 With a corpus, two sources propose successors: the corpus matrix and the
 request's own tri-grams (its overlay, and the shared one). Each drafted node
@@ -83,6 +86,8 @@ SOURCE_DECAY = 0.9
 MAX_MATCHES = 64
 #: pseudo-counts every source starts from: half a node kept of one checked
 SOURCE_PRIOR_KEPT, SOURCE_PRIOR_CHECKED = 0.5, 1.0
+#: longest rest, in steps, of a request's search after fruitless ones (1, 2, 4, 8)
+MAX_SEARCH_REST = 8
 #: the step budget's kind of the search's nodes (the matches' are 0-2, by match length:
 #: :func:`~vllm_specbeam.core.lookup.match_kind`), so it learns whether they pay apart
 SEARCH_KIND = 3
@@ -141,6 +146,34 @@ class Draft:
 
 
 @dataclass
+class SearchRest:
+    """How long a request's search sits out after walks that added no node of their own.
+
+    Example: fruitless searches at steps 0, 2 and 5 rest steps 1; 3-4; 6-9;
+    a search at step 10 that adds a node lets step 11 search again."""
+
+    #: request-steps left to sit out
+    left: int = 0
+    #: the rest after the next fruitless search
+    next: int = 1
+
+    def allows(self) -> bool:
+        """Whether this request-step may search (one step of rest passes either way)."""
+        resting = self.left > 0
+        self.left = max(0, self.left - 1)
+        return not resting
+
+    def after(self, walks: int, added: int) -> None:
+        """Record a step's search: ``walks`` run, ``added`` nodes it put in the tree beyond the matches."""
+        if not walks:
+            return
+        if added:
+            self.next = 1
+        else:
+            self.left, self.next = self.next, min(2 * self.next, MAX_SEARCH_REST)
+
+
+@dataclass
 class _RequestState:
     """A request's own tri-gram gains, how much of its context they cover, and its sources' record."""
 
@@ -148,6 +181,7 @@ class _RequestState:
     #: tokens whose tri-grams (the ones ending at them) have been observed
     observed: int = 0
     record: SourceRecord = field(default_factory=SourceRecord)
+    rest: SearchRest = field(default_factory=SearchRest)
     draft: Draft | None = None
 
 
@@ -258,15 +292,18 @@ class AdedDrafter(TreeDrafter):
         )
         budget, depth = options["max_nodes"], options["num_speculative_tokens"]
         matched = _matched_paths(tokens, options, depth, budget)
+        walks = self.iterations(options["iterations"], budget - matched.num_nodes)
         params = SearchParams(
-            iterations=self.iterations(options["iterations"], budget - matched.num_nodes),
+            iterations=walks if state.rest.allows() else 0,
             num_paths=options["num_paths"],
             depth=depth,
             max_nodes=budget,
         )
         rng = np.random.default_rng((options["seed"], tokens.size))
         w1, w2 = int(tokens[-2]), int(tokens[-1])
-        tree = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng, first=matched.leaf_paths()).tree
+        found = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng, first=matched.leaf_paths())
+        tree = found.tree
+        state.rest.after(found.iterations, tree.num_nodes - matched.num_nodes)
         # the matches' nodes come first in the tree: their kind says how long the match was
         kinds = np.full(tree.num_nodes, SEARCH_KIND)  # [nodes]
         if matched.kinds is not None:  # None: nothing matched (or prompt_lookup_max 0)

@@ -250,8 +250,9 @@ def search(
     """Run the search below context ``... w1 w2`` and merge its best paths into a tree,
     after the paths ``first`` (which the node budget keeps first)."""
     states = _States(successors, 64)  # grows as the walks reach new states
-    root = int(states.rows_of(np.array([[w1, w2]]))[0])
-    if states.count[root] == 0 or params.depth < 1 or params.iterations < 1:
+    walking = params.depth >= 1 and params.iterations >= 1  # else the root is not even looked up
+    root = int(states.rows_of(np.array([[w1, w2]]))[0]) if walking else None
+    if root is None or states.count[root] == 0:
         return SearchResult(DraftTree.from_paths(first, params.max_nodes), 0)
     tree = _Tree(2 + params.iterations, root)  # the last node is never used: children NONE (-1) read it
     uniforms = rng.random((params.iterations, params.depth))  # [iterations, depth], one row per walk
