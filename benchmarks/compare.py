@@ -19,7 +19,13 @@ no-speculation engine runs last and also scores every output (log-likelihood
 under the target, vLLM ``prompt_logprobs``), so no extra engine start is paid.
 Two starts of one engine can differ by 10-20% on identical work on a shared
 CPU: ``--engine-rounds N`` starts every engine N times, in alternating order,
-and pools its runs, so margins of that size are not one start's luck.
+and pools its runs, so margins of that size are not one start's luck. On a
+machine whose speed drifts within minutes, ``--interleave`` starts every
+engine at once and hands them the timed runs in turns (one run of each
+engine, then the next round, the order reversed every round), so neighbouring
+runs of different engines see the same machine; only one engine computes at
+a time (the others wait in their processes, the machine's memory holding all
+of them). The baseline scores every output after the last timed run.
 
     python benchmarks/compare.py                                  # SmolLM2-135M, HumanEval, quick sweep
     python benchmarks/compare.py --model Qwen/Qwen2.5-Coder-1.5B-Instruct \\
@@ -53,6 +59,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+#: ``--interleave``: pause between one engine's timed run and the next's, longer than
+#: Intel OpenMP's default 200 ms of spinning threads after their last parallel work
+INTERLEAVE_SETTLE_S = 0.3
 sys.path.insert(0, str(HERE))
 
 import contextlib
@@ -498,7 +507,6 @@ def worker(job_path: Path) -> None:
         **job["engine_kwargs"],
     )
     start_s = time.perf_counter() - started
-    tick()
     tokenizer = llm.get_tokenizer()
     prompt_ids = [tokenizer.encode(text) for text in job["prompts"]]
     max_tokens = job["max_tokens"]
@@ -506,6 +514,7 @@ def worker(job_path: Path) -> None:
     # (suffix, lookup_tree's global scope) must not have seen a prompt before it runs.
     warm_up = TokensPrompt(prompt_token_ids=tokenizer.encode(WARM_UP_TEXT))
     llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    tick()  # started and warm (--interleave hands out turns after every engine's first step)
 
     state_bytes: int | None = None  # the drafter's cross-request memory after the last run
     step_cost: dict[str, float] = {}  # the step budget's fitted cost line after the last run
@@ -571,10 +580,14 @@ def worker(job_path: Path) -> None:
         return outputs
 
     runs: dict[tuple[int, int], dict[str, Any]] = {}
+    turns = itertools.count()
     for _ in range(job["repeats"]):  # repeats outermost: drift on a shared machine hits every setting alike
         for scenario_index, scenario in enumerate(job["scenarios"]):
             for setting_index, setting in enumerate(job["settings"]):
                 before = counters()
+                if job.get("turn"):
+                    wait_for(Path(job["turn"]), f"{job['name']} {next(turns)}")
+                started = time.time()
                 t0 = time.perf_counter()
                 outputs = run(setting, scenario["batch_size"], scenario["temperature"])
                 wall = time.perf_counter() - t0
@@ -585,6 +598,7 @@ def worker(job_path: Path) -> None:
                         "scenario": scenario_index,
                         "setting": setting_index,
                         "wall_s": [],
+                        "started_s": [],
                         "output_tokens_runs": [],
                         "counters": {},
                         "outputs": outputs,
@@ -592,6 +606,7 @@ def worker(job_path: Path) -> None:
                     },
                 )
                 record["wall_s"].append(wall)
+                record["started_s"].append(started)
                 record["drafter_state_bytes"] = state_bytes
                 record["step_cost"] = dict(step_cost)
                 record["output_tokens_runs"].append(sum(map(len, outputs)))
@@ -599,6 +614,8 @@ def worker(job_path: Path) -> None:
                 tick()
 
     records = list(runs.values())
+    if job["score_outputs"] and job.get("score_file"):  # --interleave: the others' outputs come at their end
+        job["score"] = json.loads(wait_for(Path(job["score_file"])))
     scores = _score(llm, prompt_ids, job["score"], records) if job["score_outputs"] else None
     tick()
     # as vLLM resolved it: never for custom_class methods (the plugin's), never on CPU (its platform)
@@ -606,6 +623,16 @@ def worker(job_path: Path) -> None:
     result = {"start_s": start_s, "async_scheduling": async_scheduling, "runs": records, "scores": scores}
     Path(job["result"]).write_text(json.dumps(result))
     llm.llm_engine.engine_core.shutdown()
+
+
+def wait_for(path: Path, text: str | None = None, poll_s: float = 0.005) -> str:
+    """Wait until ``path`` exists (and holds ``text``, when given); its content."""
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            content = path.read_text()
+            if text is None or content == text:
+                return content
+        time.sleep(poll_s)
 
 
 def _add_counters(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
@@ -743,9 +770,39 @@ def stop_process_tree(pid: int, timeout: float = 10.0) -> None:
             process.kill()
 
 
-def run_worker(job: dict[str, Any], log: Path, bar: Any) -> tuple[int, float]:
-    """Run one engine worker; returns its exit code and peak RSS (MiB), and
-    advances ``bar`` as the worker reports finished steps."""
+@dataclass
+class RunningWorker:
+    """An engine worker started by :func:`start_worker`."""
+
+    proc: subprocess.Popen[bytes]
+    monitor: TreeMonitor
+    progress: Path
+    log: Any  # the open log file
+
+    def steps_done(self) -> int:
+        """Steps the worker reported: 1 once its engine is started and warm, then 1 a timed run."""
+        try:
+            return int(self.progress.read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def wait(self) -> tuple[int, float]:
+        """Its exit code and peak RSS (MiB); stops its process tree if interrupted."""
+        try:
+            return self.proc.wait(), self.monitor.peak_mib
+        except BaseException:  # Ctrl-C, or SIGTERM through main()'s handler
+            self.stop()
+            raise
+        finally:
+            self.monitor.__exit__()
+            self.log.close()
+
+    def stop(self) -> None:
+        stop_process_tree(self.proc.pid)
+
+
+def start_worker(job: dict[str, Any], log: Path, bar: Any) -> RunningWorker:
+    """Start one engine worker; it advances ``bar`` as the worker reports finished steps."""
     job_file = Path(job["result"]).with_suffix(".job.json")
     job_file.write_text(json.dumps(job))
     progress = Path(job["progress"])
@@ -754,24 +811,67 @@ def run_worker(job: dict[str, Any], log: Path, bar: Any) -> tuple[int, float]:
 
     def advance() -> None:
         nonlocal seen
-        try:
-            done = int(progress.read_text() or 0)
-        except (FileNotFoundError, ValueError):
-            return
+        done = worker.steps_done()
         bar.update(done - seen)
         seen = done
 
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(job_file)], stdout=out, stderr=subprocess.STDOUT
-        )
-        with TreeMonitor(proc.pid, on_sample=advance) as monitor:
-            try:
-                code = proc.wait()
-            except BaseException:  # Ctrl-C, or SIGTERM through main()'s handler
-                stop_process_tree(proc.pid)
-                raise
-    return code, monitor.peak_mib
+    out = open(log, "w")  # noqa: SIM115 (closed by RunningWorker.wait)
+    proc = subprocess.Popen([sys.executable, __file__, "--worker", str(job_file)], stdout=out, stderr=subprocess.STDOUT)
+    worker = RunningWorker(proc, TreeMonitor(proc.pid, on_sample=advance), progress, out)
+    worker.monitor.__enter__()
+    return worker
+
+
+def run_worker(job: dict[str, Any], log: Path, bar: Any) -> tuple[int, float]:
+    """Run one engine worker to its end; its exit code and peak RSS (MiB)."""
+    return start_worker(job, log, bar).wait()
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` so that a reader polling ``path`` never sees it half written."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def run_interleaved(
+    engines: list[EngineSpec], jobs: dict[str, dict[str, Any]], logs: Path, bar: Any
+) -> dict[str, RunningWorker]:
+    """``--interleave``: start every engine's worker, wait until all are warm, then hand
+    out their timed runs in turns; the workers, still running (the baseline waits to score).
+
+    Turns go round the engines, reversed every round, one timed run each:
+    engines ``[a, b, none]`` with 2 runs each run ``a b none none b a``. A turn
+    is ``"<engine> <its run index>"`` in the file ``logs/turn``; after each run the
+    next turn waits ``INTERLEAVE_SETTLE_S``, so the last engine's threads have gone to sleep.
+    """
+    turn = logs / "turn"
+    turn.unlink(missing_ok=True)
+    workers: dict[str, RunningWorker] = {}
+    try:
+        for engine in engines:
+            jobs[engine.id]["turn"] = str(turn)
+            workers[engine.id] = start_worker(jobs[engine.id], logs / f"{engine.id}.log", bar)
+
+        def reached(worker: RunningWorker, steps: int) -> None:
+            while worker.steps_done() < steps and worker.proc.poll() is None:
+                time.sleep(0.01)
+
+        for worker in workers.values():
+            reached(worker, 1)
+        runs = {name: job["repeats"] * len(job["scenarios"]) * len(job["settings"]) for name, job in jobs.items()}
+        order = [engine.id for engine in engines]
+        for k in range(max(runs.values())):
+            for name in order if k % 2 == 0 else order[::-1]:
+                if k < runs[name] and workers[name].proc.poll() is None:
+                    atomic_write(turn, f"{name} {k}")
+                    reached(workers[name], 2 + k)
+                    time.sleep(INTERLEAVE_SETTLE_S)
+    except BaseException:
+        for worker in workers.values():
+            worker.stop()
+        raise
+    return workers
 
 
 def failure_line(log: Path) -> str:
@@ -886,13 +986,10 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=total, desc="benchmark", unit="step")
     raw: dict[str, dict[str, Any]] = {}
     records: dict[str, dict[str, Any]] = {}
-    for round_index, engine in schedule:
-        bar.set_postfix_str(f"{engine.id} (round {round_index + 1})" if args.engine_rounds > 1 else engine.id)
-        is_baseline = engine.kind == "baseline"
-        # The baseline scores every output, once, in the last round (after every other engine ran).
-        scores = is_baseline and round_index == args.engine_rounds - 1
-        name = engine.id if args.engine_rounds == 1 else f"{engine.id}.r{round_index + 1}"
-        job = {
+
+    def make_job(engine: EngineSpec, name: str, scores: bool) -> dict[str, Any]:
+        return {
+            "name": name,
             "model": args.model_path,
             "dtype": args.dtype,
             "max_model_len": args.max_model_len,
@@ -913,19 +1010,25 @@ def main(argv: list[str] | None = None) -> int:
                 for s in engine.settings
             ],
             "score_outputs": scores,
-            "score": [
-                {"engine": engine_id, "run": k, "prompt": i, "output": out_ids}
-                for engine_id, data in raw.items()
-                if engine_id != engine.id
-                for k, run in enumerate(data["runs"])
-                for i, out_ids in enumerate(run["outputs"])
-            ]
-            if scores
-            else [],
+            "score": score_list(engine.id) if scores and not args.interleave else [],
             "result": str(out / "logs" / f"{name}.result.json"),
             "progress": str(out / "logs" / f"{name}.progress"),
         }
-        code, peak_mib = run_worker(job, out / "logs" / f"{name}.log", bar)
+
+    def score_list(engine_id: str) -> list[dict[str, Any]]:
+        """Every other engine's outputs, for the baseline to score."""
+        return [
+            {"engine": other, "run": k, "prompt": i, "output": out_ids}
+            for other, data in raw.items()
+            if other != engine_id
+            for k, run in enumerate(data["runs"])
+            for i, out_ids in enumerate(run["outputs"])
+        ]
+
+    def collect(engine: EngineSpec, name: str, job: dict[str, Any], code: int, peak_mib: float) -> None:
+        """One finished worker's figures into ``records`` and ``raw``."""
+        is_baseline = engine.kind == "baseline"
+        log = out / "logs" / f"{name}.log"
         record = records.setdefault(
             engine.id,
             {
@@ -933,7 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
                 "method": engine.method,
                 "speculative_config": engine.speculative_config,
                 "engine_kwargs": engine.engine_kwargs,
-                "log": str(out / "logs" / f"{name}.log"),
+                "log": str(log),
                 "peak_rss_mib": 0.0,
                 "status": "ok",
                 "rounds": 0,
@@ -942,16 +1045,16 @@ def main(argv: list[str] | None = None) -> int:
         record["peak_rss_mib"] = max(record["peak_rss_mib"], peak_mib)
         if code != 0:
             record["status"] = "failed"
-            record["reason"] = f"worker exit code {code}: {failure_line(out / 'logs' / f'{name}.log')}"
-            record["log"] = str(out / "logs" / f"{name}.log")
+            record["reason"] = f"worker exit code {code}: {failure_line(log)}"
+            record["log"] = str(log)
             status[engine.method].status, status[engine.method].reason = "failed", record["reason"]
             raw.pop(engine.id, None)
             tqdm.write(f"engine {name} failed: {record['reason']}")
             if is_baseline:
                 raise SystemExit(f"the no-speculation engine failed; see {record['log']}")
-            continue
+            return
         if record["status"] == "failed":
-            continue  # failed in an earlier round: its figures stay out
+            return  # failed in an earlier round: its figures stay out
         data = json.loads(Path(job["result"]).read_text())
         data["job"] = job
         record["rounds"] += 1
@@ -959,8 +1062,33 @@ def main(argv: list[str] | None = None) -> int:
         record["start_s"] = record["start_s_rounds"][0]
         record["async_scheduling"] = data["async_scheduling"]
         raw[engine.id] = data if engine.id not in raw else merge_rounds(raw[engine.id], data)
-        if scores:
+        if job["score_outputs"]:
             attach_scores(raw, job["score"], raw[engine.id], data)
+
+    if args.interleave:
+        jobs = {e.id: make_job(e, e.id, scores=e.kind == "baseline") for e in engines}
+        baseline = next(e for e in engines if e.kind == "baseline")
+        jobs[baseline.id]["score_file"] = str(out / "logs" / "score.json")
+        finished = run_interleaved([e for _, e in schedule], jobs, out / "logs", bar)
+        try:
+            for engine in engines:  # the baseline last: it scores the others' outputs
+                if engine is not baseline:
+                    collect(engine, engine.id, jobs[engine.id], *finished[engine.id].wait())
+            jobs[baseline.id]["score"] = score_list(baseline.id)
+            atomic_write(Path(jobs[baseline.id]["score_file"]), json.dumps(jobs[baseline.id]["score"]))
+            collect(baseline, baseline.id, jobs[baseline.id], *finished[baseline.id].wait())
+        except BaseException:
+            for running in finished.values():
+                running.stop()
+            raise
+    else:
+        for round_index, engine in schedule:
+            bar.set_postfix_str(f"{engine.id} (round {round_index + 1})" if args.engine_rounds > 1 else engine.id)
+            # The baseline scores every output, once, in the last round (after every other engine ran).
+            scores = engine.kind == "baseline" and round_index == args.engine_rounds - 1
+            name = engine.id if args.engine_rounds == 1 else f"{engine.id}.r{round_index + 1}"
+            job = make_job(engine, name, scores)
+            collect(engine, name, job, *run_worker(job, out / "logs" / f"{name}.log", bar))
     engine_records = [records[e.id] for e in engines if e.id in records]
     bar.close()
 
@@ -983,6 +1111,7 @@ def main(argv: list[str] | None = None) -> int:
             "temperatures": args.temperatures,
             "repeats": args.repeats,
             "engine_rounds": args.engine_rounds,
+            "interleave": args.interleave,
             "seed": args.seed,
             "dtype": args.dtype,
             "max_model_len": args.max_model_len,
@@ -1068,6 +1197,7 @@ def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]
     first round kept (``outputs_differ_between_rounds`` says whether a later one differed)."""
     for run, more in zip(first["runs"], later["runs"], strict=True):
         run["wall_s"] += more["wall_s"]
+        run["started_s"] += more["started_s"]
         run["output_tokens_runs"] += more["output_tokens_runs"]
         run["counters"] = _add_counters(run["counters"], more["counters"])
         run["drafter_state_bytes"], run["step_cost"] = more.get("drafter_state_bytes"), more.get("step_cost")
@@ -1125,6 +1255,7 @@ def assemble(
                     "tokens_per_s": metrics.median(tps),
                     "tokens_per_s_runs": tps,
                     "wall_s_runs": record["wall_s"],
+                    "started_s_runs": record["started_s"],
                     "speedup": None,
                     "output_tokens": record["output_tokens_runs"][0],
                     "requests": len(record["outputs"]),
@@ -1159,6 +1290,10 @@ def assemble(
     for run in runs:
         base = reference[(run["batch_size"], run["temperature"])]
         run["speedup"] = metrics.ratio(run["tokens_per_s"], base["tokens_per_s"])
+        # run k against the baseline's run k: with --interleave they ran next to each other
+        run["speedup_paired"] = metrics.median(
+            [a / b for a, b in zip(run["tokens_per_s_runs"], base["tokens_per_s_runs"], strict=False)]
+        )
         # Greedy only: a lossless sampled method keeps the distribution, not
         # the baseline's individual samples; beam searches are compared with
         # vLLM's beam search at the same width.
@@ -1225,6 +1360,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "invocation can differ by 10-20%% on identical work on a shared CPU",
     )
     parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every engine at once and alternate their timed runs, one each in turn: for a machine "
+        "whose speed drifts within minutes (needs every engine's memory at once)",
+    )
+    parser.add_argument(
         "--methods",
         nargs="+",
         default=["all"],
@@ -1287,6 +1428,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("batch sizes must be >= 1")
     if args.engine_rounds < 1:
         parser.error("--engine-rounds must be >= 1")
+    if args.interleave and args.engine_rounds > 1:
+        parser.error("--interleave runs every engine once, its runs alternating with the others': drop --engine-rounds")
     return args
 
 

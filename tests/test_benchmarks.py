@@ -9,8 +9,10 @@ checks that a real run produces a JSON, table and PNG that agree.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -151,12 +153,12 @@ def test_schema_best_setting_and_table(tmp_path):
     metrics.validate_result(result)
     # best setting per method and scenario only, the baseline first, cells rounded per column
     assert metrics.offline_table(runs).splitlines() == [
-        "| batch | temp | method | best setting | tok/s (median) | speedup | accepted/step | acceptance "
-        "| dsbd width | steps/token | draft share | peak RSS MiB | loglik/token | exact match | pass@1 |",
-        "|" + "---|" * 15,
-        "| 1 | 0.0 | none | - | 10.0 | 1.00 | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
-        "| 1 | 0.0 | lookup_tree | d5/n16 | 14.0 | 1.40 | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
-        "| 8 | 0.0 | none | - | 30.0 | 1.00 | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
+        "| batch | temp | method | best setting | tok/s (median) | speedup | paired speedup | accepted/step "
+        "| acceptance | dsbd width | steps/token | draft share | peak RSS MiB | loglik/token | exact match | pass@1 |",
+        "|" + "---|" * 16,
+        "| 1 | 0.0 | none | - | 10.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
+        "| 1 | 0.0 | lookup_tree | d5/n16 | 14.0 | 1.40 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
+        "| 8 | 0.0 | none | - | 30.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
     ]
     metrics.plot_speedup_vs_quality(runs, tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
@@ -437,12 +439,14 @@ def test_engine_rounds_alternate_and_pool_runs():
     assert [e.id for _, e in compare.engine_schedule([a, b, none], 1)] == ["a", "b", "none"]
 
     def raw(walls: list[float], accepted: int, outputs: list[list[int]]) -> dict:
-        run = {"wall_s": walls, "output_tokens_runs": [8] * len(walls), "outputs": outputs}
+        run = {"wall_s": walls, "started_s": [100 * w for w in walls], "output_tokens_runs": [8] * len(walls)}
+        run["outputs"] = outputs
         return {"runs": [{**run, "counters": {"accepted": accepted, "per_pos": [accepted, 1]}}]}
 
     merged = compare.merge_rounds(raw([1.0, 2.0], 3, [[1, 2]]), raw([3.0], 4, [[1, 2]]))
     (run,) = merged["runs"]
     assert run["wall_s"] == [1.0, 2.0, 3.0] and run["output_tokens_runs"] == [8, 8, 8]
+    assert run["started_s"] == [100.0, 200.0, 300.0]
     assert run["counters"] == {"accepted": 7, "per_pos": [7, 2]} and run["outputs"] == [[1, 2]]
     assert run["outputs_differ_between_rounds"] is False
     merged = compare.merge_rounds(merged, raw([1.0], 0, [[1, 3]]))
@@ -540,9 +544,9 @@ def test_intel_openmp_preload_prepends_once_and_respects_off(monkeypatch, tmp_pa
     assert compare.os.environ["VLLM_CPU_KVCACHE_SPACE"] == compare.ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
 
 
-def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
-    """none + lookup_tree on the tiny model: two engines, each started twice (rounds), greedy,
-    batch sizes 1 and 2; the JSON, table and plot agree with each other."""
+def tiny_benchmark(tiny_model, tmp_path, *options: str) -> tuple[dict, Path]:
+    """``compare.py`` with ``none`` and ``lookup_tree`` on the tiny model: 3 prompts,
+    24 greedy tokens, the defaults only; its validated result and output directory."""
     from conftest import make_prompts
 
     prompts = tmp_path / "prompts.jsonl"
@@ -551,38 +555,23 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     )
     out = tmp_path / "out"
     command = [
-        sys.executable,
-        str(BENCH / "compare.py"),
-        "--model",
-        tiny_model,
-        "--prompts",
-        str(prompts),
-        "--max-tokens",
-        "24",
-        "--batch-sizes",
-        "1",
-        "2",
-        "--temperatures",
-        "0",
-        "--repeats",
-        "1",
-        "--engine-rounds",
-        "2",
-        "--methods",
-        "none",
-        "lookup_tree",
-        "--sweep",
-        "none",
-        "--max-model-len",
-        "512",
-        "--out",
-        str(out),
+        *(sys.executable, str(BENCH / "compare.py"), "--model", tiny_model, "--prompts", str(prompts)),
+        *("--max-tokens", "24", "--temperatures", "0", "--methods", "none", "lookup_tree", "--sweep", "none"),
+        *("--max-model-len", "512", "--out", str(out), *options),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
     result = json.loads((out / "result.json").read_text())
     metrics.validate_result(result)
+    return result, out
+
+
+def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
+    """none + lookup_tree on the tiny model: two engines, each started twice (rounds), greedy,
+    batch sizes 1 and 2; the JSON, table and plot agree with each other."""
+    result, out = tiny_benchmark(
+        tiny_model, tmp_path, "--batch-sizes", "1", "2", "--repeats", "1", "--engine-rounds", "2"
+    )
     assert result["methods"]["lookup_tree"]["status"] == "ok"
     assert {e["id"]: (e["status"], e["rounds"]) for e in result["engines"]} == {
         "lookup_tree": ("ok", 2),
@@ -628,3 +617,25 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert float(tree["accepted/step"]) > 0 and float(tree["steps/token"]) < 1
         assert tree["loglik/token"] == base["loglik/token"]  # lossless greedy: the same tokens
     assert (out / "speedup_vs_quality.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_interleaved_benchmark_takes_turns(tiny_model, tmp_path):
+    """``--interleave``: both engines started at once, their timed runs one at a time in
+    turns (lookup_tree, none, then the other way round), never overlapping; the
+    baseline still scores every output afterwards."""
+    result, _ = tiny_benchmark(tiny_model, tmp_path, "--batch-sizes", "1", "--repeats", "2", "--interleave")
+    assert result["config"]["interleave"] is True
+    runs = {run["method"]: run for run in result["runs"]}
+    spans = sorted(
+        (start, start + wall, method)
+        for method, run in runs.items()
+        for start, wall in zip(run["started_s_runs"], run["wall_s_runs"], strict=True)
+    )
+    assert [method for *_, method in spans] == ["lookup_tree", "none", "none", "lookup_tree"]
+    assert all(end <= later for (_, end, _), (later, _, _) in itertools.pairwise(spans))
+    tree, base = runs["lookup_tree"], runs["none"]
+    assert tree["exact_match"] == 1.0 and tree["accepted_per_step"] > 0
+    assert tree["mean_loglik_per_token"] == pytest.approx(base["mean_loglik_per_token"], abs=1e-4)
+    assert base["mean_loglik_per_token"] < 0  # scored
+    ratios = [a / b for a, b in zip(tree["tokens_per_s_runs"], base["tokens_per_s_runs"], strict=True)]
+    assert tree["speedup_paired"] == pytest.approx(statistics.median(ratios)) and base["speedup_paired"] == 1.0
