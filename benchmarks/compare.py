@@ -20,8 +20,8 @@ under the target, vLLM ``prompt_logprobs``), so no extra engine start is paid.
 Two starts of one engine can differ by 10-20% on identical work on a shared
 CPU: ``--engine-rounds N`` starts every engine N times, in alternating order,
 and pools its runs, so margins of that size are not one start's luck. On a
-machine whose speed drifts within minutes, ``--interleave`` starts every
-engine at once and hands them the timed runs in turns (one run of each
+machine whose speed drifts within minutes, ``--interleave`` keeps every
+engine alive (started one after the other) and hands them the timed runs in turns (one run of each
 engine, then the next round, the order reversed every round), so neighbouring
 runs of different engines see the same machine; only one engine computes at
 a time (the others wait in their processes, the machine's memory holding all
@@ -837,8 +837,9 @@ def atomic_write(path: Path, text: str) -> None:
 def run_interleaved(
     engines: list[EngineSpec], jobs: dict[str, dict[str, Any]], logs: Path, bar: Any
 ) -> dict[str, RunningWorker]:
-    """``--interleave``: start every engine's worker, wait until all are warm, then hand
-    out their timed runs in turns; the workers, still running (the baseline waits to score).
+    """``--interleave``: start every engine's worker, one after the other once the last is
+    warm, then hand out their timed runs in turns; the workers, still running (the
+    baseline waits to score).
 
     Turns go round the engines, reversed every round, one timed run each:
     engines ``[a, b, none]`` with 2 runs each run ``a b none none b a``. A turn
@@ -848,17 +849,18 @@ def run_interleaved(
     turn = logs / "turn"
     turn.unlink(missing_ok=True)
     workers: dict[str, RunningWorker] = {}
+
+    def reached(worker: RunningWorker, steps: int) -> None:
+        while worker.steps_done() < steps and worker.proc.poll() is None:
+            time.sleep(0.01)
+
     try:
+        # One start at a time: engines starting together on few cores starve each
+        # other's OpenMP teams (3 SmolLM2 engines on 2 cores: none warm after 4 minutes).
         for engine in engines:
             jobs[engine.id]["turn"] = str(turn)
             workers[engine.id] = start_worker(jobs[engine.id], logs / f"{engine.id}.log", bar)
-
-        def reached(worker: RunningWorker, steps: int) -> None:
-            while worker.steps_done() < steps and worker.proc.poll() is None:
-                time.sleep(0.01)
-
-        for worker in workers.values():
-            reached(worker, 1)
+            reached(workers[engine.id], 1)
         runs = {name: job["repeats"] * len(job["scenarios"]) * len(job["settings"]) for name, job in jobs.items()}
         order = [engine.id for engine in engines]
         for k in range(max(runs.values())):
@@ -1362,7 +1364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="start every engine at once and alternate their timed runs, one each in turn: for a machine "
+        help="keep every engine alive and alternate their timed runs, one each in turn: for a machine "
         "whose speed drifts within minutes (needs every engine's memory at once)",
     )
     parser.add_argument(

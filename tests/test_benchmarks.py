@@ -620,7 +620,7 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
 
 
 def test_interleaved_benchmark_takes_turns(tiny_model, tmp_path):
-    """``--interleave``: both engines started at once, their timed runs one at a time in
+    """``--interleave``: both engines alive together, their timed runs one at a time in
     turns (lookup_tree, none, then the other way round), never overlapping; the
     baseline still scores every output afterwards."""
     result, _ = tiny_benchmark(tiny_model, tmp_path, "--batch-sizes", "1", "--repeats", "2", "--interleave")
