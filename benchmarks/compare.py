@@ -701,10 +701,17 @@ class TreeMonitor:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> TreeMonitor:
-        self._thread.start()
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sampling (a last ``on_sample`` included)."""
         self._stop.set()
         self._thread.join()
         if self.on_sample:
@@ -794,7 +801,7 @@ class RunningWorker:
             self.stop()
             raise
         finally:
-            self.monitor.__exit__()
+            self.monitor.stop()
             self.log.close()
 
     def stop(self) -> None:
@@ -818,7 +825,7 @@ def start_worker(job: dict[str, Any], log: Path, bar: Any) -> RunningWorker:
     out = open(log, "w")  # noqa: SIM115 (closed by RunningWorker.wait)
     proc = subprocess.Popen([sys.executable, __file__, "--worker", str(job_file)], stdout=out, stderr=subprocess.STDOUT)
     worker = RunningWorker(proc, TreeMonitor(proc.pid, on_sample=advance), progress, out)
-    worker.monitor.__enter__()
+    worker.monitor.start()
     return worker
 
 
