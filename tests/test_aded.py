@@ -441,15 +441,21 @@ def test_remove_requests_frees_state() -> None:
 # ---------------------------------------------------------------- cost follows the budget
 @pytest.fixture
 def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The walks (root visits) of every search the drafter runs, in order."""
+    """The walks (root visits) of every request-step the drafter drafts, in order (0: no search)."""
     seen: list[int] = []
+    propose_one = AdedDrafter._propose_one
 
-    def counting(*args: object, **kwargs: object) -> mcts.SearchResult:
+    def counting_steps(self: AdedDrafter, request: DraftRequest) -> DraftTree:
+        seen.append(0)
+        return propose_one(self, request)
+
+    def counting_walks(*args: object, **kwargs: object) -> mcts.SearchResult:
         result = search(*args, **kwargs)  # type: ignore[arg-type]
-        seen.append(result.iterations)
+        seen[-1] = result.iterations
         return result
 
-    monkeypatch.setattr(drafter_module, "search", counting)
+    monkeypatch.setattr(AdedDrafter, "_propose_one", counting_steps)
+    monkeypatch.setattr(drafter_module, "search", counting_walks)
     return seen
 
 
@@ -472,44 +478,59 @@ def test_iterations_follow_the_node_budget(walks: list[int]) -> None:
     assert [auto.iterations(150, budget) for budget in (16, 4, 1)] == [150, 38, 10]
 
 
-def test_a_search_that_adds_nothing_rests_longer_each_time(walks: list[int]) -> None:
-    # One successor per tri-gram state: the walks only find the match's own path again.
+def test_a_fruitless_search_rests_longer_each_time(walks: list[int]) -> None:
+    # One successor per tri-gram state: the walks only find the match's own path again,
+    # so the target never commits a node of theirs.
     drafter = AdedDrafter(options(max_nodes=16, iterations=150))
-    prompt = [1, 2, 3, 4, 5, 6, 7] * 3 + [1, 2]
+    cycle = [1, 2, 3, 4, 5, 6, 7]
+    tokens = cycle * 3 + [1, 2]
     for _ in range(16):
-        tree = drafter.propose([request("r", prompt)])[0]
-        assert tree.tokens.tolist() == [3, 4, 5, 6]  # resting or not, the same draft
+        tree = drafter.propose([request("r", tokens)])[0]
+        following = [cycle[(tokens[-1] + k) % 7] for k in range(4)]
+        assert tree.tokens.tolist() == following and SEARCH_KIND not in tree.kinds.tolist()  # resting or not
+        tokens = tokens + following[:1]
     on = 113  # 150 x 12/16, rounded up: the matches took 4 of the 16 nodes
     assert walks == [on, 0, on, 0, 0, on, 0, 0, 0, 0, on, 0, 0, 0, 0, 0]  # rests of 1, 2, 4, then 8
 
 
-def test_a_search_that_adds_nodes_runs_every_step(walks: list[int]) -> None:
-    # "1 2" went on "3 4" once, but "2 3" also went on "5": the walks find "3 5", which no match drafts.
+@pytest.mark.parametrize("target_commits_the_search_node", [True, False])
+def test_a_search_rests_unless_the_target_commits_a_node_of_its_own(
+    walks: list[int], target_commits_the_search_node: bool
+) -> None:
+    # "1 2" went on "3 4" once, but "2 3" also went on "5": the walks add "3 5", which no match drafts.
     drafter = AdedDrafter(options(max_nodes=16, iterations=150))
     prompt = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2]
-    for _ in range(3):
-        tree = drafter.propose([request("r", prompt)])[0]
-        assert SEARCH_KIND in tree.kinds.tolist()
-    assert len(walks) == 3 and min(walks) > 0
+    tree = drafter.propose([request("r", prompt)])[0]
+    own = [node for node in range(tree.num_nodes) if tree.kinds[node] == SEARCH_KIND]
+    assert tree.tokens[tree.path_to(own[0])].tolist() == [3, 5]
+    committed = [3, 5] if target_commits_the_search_node else [3, 4]  # its node, or only the match's
+    drafter.propose([request("r", prompt + committed)])
+    assert walks[0] == 113 and walks[1] == (113 if target_commits_the_search_node else 0)
 
 
 def test_search_rest_doubles_and_a_fruitful_search_ends_it() -> None:
     rest = SearchRest()
     allowed = []
-    for step in range(12):  # the docstring's example: fruitless at 0, 2, 5; nodes added from 10 on
+    for step in range(12):  # the docstring's example: fruitless at 0, 2, 5; committed from 10 on
         allowed.append(rest.allows())
         if allowed[-1]:
-            rest.after(walks=10, added=int(step >= 10))
+            rest.after(paid=step >= 10)
     assert [s for s, ok in enumerate(allowed) if ok] == [0, 2, 5, 10, 11]
-    rest.after(walks=0, added=0)  # no walks (nothing to search): no rest either
-    assert rest.allows()
+
+
+def test_search_paid_reads_the_committed_path_through_the_search_nodes() -> None:
+    # a (match) -> b (search); c (search) a second root child
+    tree = DraftTree(np.array([5, 6, 7]), np.array([ROOT, 0, ROOT]), kinds=np.array([2, SEARCH_KIND, SEARCH_KIND]))
+    draft = Draft(tree, None, context=5, searched=True)
+    assert draft.search_paid([5, 6]) and draft.search_paid([7, 1])
+    assert not draft.search_paid([5, 8]) and not draft.search_paid([6, 7]) and not draft.search_paid([])
 
 
 # ---------------------------------------------------------------- weighing the corpus
 def test_draft_judged_counts_checked_and_kept_nodes_per_source() -> None:
     # a (corpus) -> b (context), c (corpus); d (context) a second root child
     tree = DraftTree(np.array([10, 11, 12, 13]), np.array([ROOT, 0, 0, ROOT]))
-    draft = Draft(tree, np.array([CORPUS, CONTEXT, CORPUS, CONTEXT]), context=5)
+    draft = Draft(tree, np.array([CORPUS, CONTEXT, CORPUS, CONTEXT]), context=5, searched=False)
     checked, kept = draft.judged([10, 12, 99])  # a kept, c kept, nothing below c
     assert checked.tolist() == [2, 2] and kept.tolist() == [2, 0]  # a, d; then b, c
     checked, kept = draft.judged([77])  # both root children checked, none kept

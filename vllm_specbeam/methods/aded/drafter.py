@@ -35,8 +35,10 @@ branches already fill runs none. A step that drafts one or two tokens needs
 only the best one or two paths, and the runner asks for small trees exactly
 when drafting does not pay. Below a passage the request repeats, the walks
 mostly rediscover the prompt-lookup branches, which merge away (measured in
-docs/measurements.md), so a request whose walks added no node of their own
-rests its search (:class:`SearchRest`).
+docs/measurements.md), and what they add beyond them is seldom what the
+target goes on to commit, so a request whose last search drafted no node
+of its own that the target then committed rests its search
+(:class:`SearchRest`).
 
 With a corpus, two sources propose successors: the corpus matrix and the
 request's own tri-grams (its overlay, and the shared one). Each drafted node
@@ -73,7 +75,7 @@ import numpy as np
 from vllm_specbeam.core.config import Option, SpecbeamConfigError, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.lookup import continuations, match_ends, match_tree
-from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 from vllm_specbeam.methods.aded import trigram
 from vllm_specbeam.methods.aded.mcts import SearchParams, search
 
@@ -117,12 +119,14 @@ class SourceRecord:
 
 @dataclass(frozen=True)
 class Draft:
-    """A request's last draft: its nodes' tokens, parents and sources, and where it hangs."""
+    """A request's last draft: its nodes' tokens, parents, kinds and sources, and where it hangs."""
 
     tree: DraftTree
-    sources: np.ndarray  # [nodes] CORPUS or CONTEXT
+    sources: np.ndarray | None  # [nodes] CORPUS or CONTEXT; None without a corpus
     #: committed tokens when it was drafted: the ones after this show what the target kept
     context: int
+    #: whether the search walked for it (else it has no say on the search's rest)
+    searched: bool
 
     def judged(self, new_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Nodes checked and kept per source ([sources] each), given the tokens committed since.
@@ -132,6 +136,7 @@ class Draft:
         nodes ``a`` (root child), ``b``, ``c`` (children of ``a``) and new tokens
         ``a c x``: ``a`` kept; ``b``, ``c`` checked, ``c`` kept; nothing below ``c``.
         """
+        assert self.sources is not None  # judged only with a corpus
         checked, kept = np.zeros(2), np.zeros(2)
         parent = ROOT
         for token in new_tokens:
@@ -144,13 +149,23 @@ class Draft:
             kept[self.sources[parent]] += 1.0
         return checked, kept
 
+    def search_paid(self, new_tokens: list[int]) -> bool:
+        """Whether the tokens committed since walk through one of the search's own nodes.
+
+        Judged on the tree as drafted: a node the step budget pruned counts when
+        the target committed its token anyway (the search was right; the budget
+        learns that from the same tokens)."""
+        path = committed_path(self.tree.tokens.tolist(), self.tree.parents.tolist(), new_tokens)
+        return self.tree.kinds is not None and any(self.tree.kinds[node] == SEARCH_KIND for node in path)
+
 
 @dataclass
 class SearchRest:
-    """How long a request's search sits out after walks that added no node of their own.
+    """How long a request's search sits out after searches none of whose own nodes
+    the target committed.
 
     Example: fruitless searches at steps 0, 2 and 5 rest steps 1; 3-4; 6-9;
-    a search at step 10 that adds a node lets step 11 search again."""
+    a search at step 10 whose node the target commits lets step 11 search again."""
 
     #: request-steps left to sit out
     left: int = 0
@@ -163,11 +178,9 @@ class SearchRest:
         self.left = max(0, self.left - 1)
         return not resting
 
-    def after(self, walks: int, added: int) -> None:
-        """Record a step's search: ``walks`` run, ``added`` nodes it put in the tree beyond the matches."""
-        if not walks:
-            return
-        if added:
+    def after(self, paid: bool) -> None:
+        """Record how a search was judged: ``paid`` when the target committed one of its own nodes."""
+        if paid:
             self.next = 1
         else:
             self.left, self.next = self.next, min(2 * self.next, MAX_SEARCH_REST)
@@ -284,35 +297,35 @@ class AdedDrafter(TreeDrafter):
         state.draft = None
         if tokens.size < 2:
             return DraftTree.empty()
+        budget, depth = options["max_nodes"], options["num_speculative_tokens"]
+        matched = _matched_paths(tokens, options, depth, budget)
+        # asked every step: a rest counts request-steps, searched or not
+        walks = self.iterations(options["iterations"], budget - matched.num_nodes) if state.rest.allows() else 0
+        if not walks:  # the matches are the draft (their nodes are the context's)
+            if matched.num_nodes and self.matrix.num_keys:
+                state.draft = Draft(matched, np.full(matched.num_nodes, CONTEXT), tokens.size, searched=False)
+            return matched
         lookup = partial(
             self.matrix.lookup,
             overlays=(self.shared, state.overlay),
             cap=options["adapt_cap"],
             corpus_weight=state.record.corpus_weight,
         )
-        budget, depth = options["max_nodes"], options["num_speculative_tokens"]
-        matched = _matched_paths(tokens, options, depth, budget)
-        walks = self.iterations(options["iterations"], budget - matched.num_nodes)
-        params = SearchParams(
-            iterations=walks if state.rest.allows() else 0,
-            num_paths=options["num_paths"],
-            depth=depth,
-            max_nodes=budget,
-        )
+        params = SearchParams(iterations=walks, num_paths=options["num_paths"], depth=depth, max_nodes=budget)
         rng = np.random.default_rng((options["seed"], tokens.size))
         w1, w2 = int(tokens[-2]), int(tokens[-1])
         found = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng, first=matched.leaf_paths())
-        tree = found.tree
-        state.rest.after(found.iterations, tree.num_nodes - matched.num_nodes)
         # the matches' nodes come first in the tree: their kind says how long the match was
-        kinds = np.full(tree.num_nodes, SEARCH_KIND)  # [nodes]
+        kinds = np.full(found.tree.num_nodes, SEARCH_KIND)  # [nodes]
         if matched.kinds is not None:  # None: nothing matched (or prompt_lookup_max 0)
             kinds[: matched.num_nodes] = matched.kinds
-        tree = tree.with_kinds(kinds)
+        tree = found.tree.with_kinds(kinds)
+        sources = None
         if tree.num_nodes and self.matrix.num_keys:  # without a corpus every node is the context's
             sources = _sources(tree, w1, w2, lookup)
             sources[: matched.num_nodes] = CONTEXT
-            state.draft = Draft(tree, sources, tokens.size)
+        if sources is not None or found.iterations:
+            state.draft = Draft(tree, sources, tokens.size, searched=found.iterations > 0)
         return tree
 
     def iterations(self, iterations: int, budget: int) -> int:
@@ -332,7 +345,11 @@ class AdedDrafter(TreeDrafter):
         state.observed = tokens.size
         draft = state.draft
         if draft is not None and tokens.size > draft.context:
-            state.record.add(*draft.judged(tokens[draft.context :].tolist()))
+            committed = tokens[draft.context :].tolist()
+            if draft.sources is not None:
+                state.record.add(*draft.judged(committed))
+            if draft.searched:
+                state.rest.after(paid=draft.search_paid(committed))
         return state
 
     def _seed_start(self, num_tokens: int, options: Mapping[str, Any]) -> int:
