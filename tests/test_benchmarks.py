@@ -26,7 +26,11 @@ sys.path.insert(0, str(BENCH))
 
 import compare  # noqa: E402
 import metrics  # noqa: E402
+import replay  # noqa: E402
 from prompts import load_prompts  # noqa: E402
+
+from vllm_specbeam.core.budget import StepCost  # noqa: E402
+from vllm_specbeam.core.config import METHODS, parse  # noqa: E402
 
 
 # ---------------------------------------------------------------- metrics
@@ -639,3 +643,41 @@ def test_interleaved_benchmark_takes_turns(tiny_model, tmp_path):
     assert base["mean_loglik_per_token"] < 0  # scored
     ratios = [a / b for a, b in zip(tree["tokens_per_s_runs"], base["tokens_per_s_runs"], strict=True)]
     assert tree["speedup_paired"] == pytest.approx(statistics.median(ratios)) and base["speedup_paired"] == 1.0
+
+
+# ---------------------------------------------------------------- replay
+Batch = tuple[list[list[int]], list[list[int]]]
+
+
+@pytest.fixture
+def closed_batch() -> Batch:
+    """Two requests of 24 tokens: one goes on repeating its prompt (lookup drafts it
+    deep), one never repeats anything (nothing to draft)."""
+    cycle = list(range(1, 9))
+    return [cycle * 2, [50, 51, 52]], [cycle * 3, list(range(100, 124))]
+
+
+def replay_lookup(closed_batch: Batch, policy: str, slope: float) -> replay.Replay:
+    options = parse({"method": "lookup_tree"}).options
+    drafter = METHODS["lookup_tree"].drafter_class()(options)
+    return replay.replay(drafter, options, *closed_batch, policy, StepCost(0.050, slope))
+
+
+@pytest.mark.parametrize("policy", ["none", "budget", "oracle"])
+def test_replay_commits_every_answer_token_once(closed_batch: Batch, policy: str) -> None:
+    result = replay_lookup(closed_batch, policy, slope=0.0025)
+    tokens = sum(map(len, closed_batch[1]))
+    assert result.rows == tokens + result.rejected  # every token took one row; the rest were rejected drafts
+    assert result.seconds == pytest.approx(max(result.steps) * 0.050 + result.rows * 0.0025)
+    assert result.steps[1] == 24  # nothing to draft for the request that never repeats
+    if policy == "none":
+        assert result.steps == [24, 24] and result.drafted_steps == 0
+    if policy == "oracle":
+        assert result.rejected == 0 and result.steps[0] <= 24 // 5 + 1  # 4 drafts and the target's token a step
+
+
+def test_replay_budget_drafts_all_when_rows_are_free_and_none_when_dear(closed_batch: Batch) -> None:
+    oracle = replay_lookup(closed_batch, "oracle", slope=0.0025)
+    assert replay_lookup(closed_batch, "budget", slope=0.0).steps == oracle.steps  # the drafter's whole trees
+    dear = replay_lookup(closed_batch, "budget", slope=1.0)  # a row costs 20 steps' intercepts
+    assert dear.steps == [24, 24] and dear.rows == 48
