@@ -4,7 +4,7 @@ The answers no speculation gave in a ``compare.py`` run (its ``outputs.json``)
 are what the target commits. The requests run in lockstep as one closed batch,
 as ``compare.py`` sends them, and each step costs a fixed line, ``intercept +
 slope x rows`` (the budget's own cost model; take the figures from an
-engine's fitted line, ``tree_stats`` in ``result.json``). Three policies see
+engine's fitted line, a row's ``step_cost`` in ``result.json``). Three policies see
 the same drafts:
 
 - ``none``: no drafts, one row and one token per request a step;
