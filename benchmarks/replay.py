@@ -50,16 +50,16 @@ class Replay:
     """One policy's closed batch."""
 
     policy: str
-    #: the batch's time under the line (drafting not included)
-    seconds: float
     #: steps each request took, in prompt order
     steps: list[int]
+    #: the batch's time under the line (drafting not included)
+    seconds: float = 0.0
     #: rows verified (one per request a step, plus the drafted nodes kept) and the rejected ones
-    rows: int
-    rejected: int
+    rows: int = 0
+    rejected: int = 0
     #: the drafter's own time, and the request-steps it drafted for
-    draft_seconds: float
-    drafted_steps: int
+    draft_seconds: float = 0.0
+    drafted_steps: int = 0
 
 
 def replay(
@@ -74,8 +74,7 @@ def replay(
     budget = StepBudget()
     budget.cost = line
     done = [0] * len(answers)  # tokens of each answer committed
-    steps = [0] * len(answers)
-    total = Replay(policy, 0.0, steps, 0, 0, 0.0, 0)
+    total = Replay(policy, steps=[0] * len(answers))
     while live := [i for i, answer in enumerate(answers) if done[i] < len(answer)]:
         requests = []
         for i in live:
@@ -105,7 +104,7 @@ def replay(
             total.rejected += tree.num_nodes - accepted
             committed = answers[i][done[i] : done[i] + accepted + 1]  # the accepted drafts and the target's own
             done[i] += len(committed)
-            steps[i] += 1
+            total.steps[i] += 1
             budget.observe_committed(f"{i}", committed, len(prompts[i]) + done[i])
     return total
 

@@ -137,16 +137,11 @@ class Draft:
         ``a c x``: ``a`` kept; ``b``, ``c`` checked, ``c`` kept; nothing below ``c``.
         """
         assert self.sources is not None  # judged only with a corpus
+        path = committed_path(self.tree.tokens.tolist(), self.tree.parents.tolist(), new_tokens)
         checked, kept = np.zeros(2), np.zeros(2)
-        parent = ROOT
-        for token in new_tokens:
-            children = np.flatnonzero(self.tree.parents == parent)
-            np.add.at(checked, self.sources[children], 1.0)
-            hit = children[self.tree.tokens[children] == token]
-            if not hit.size:
-                break
-            parent = int(hit[0])
-            kept[self.sources[parent]] += 1.0
+        for parent in [ROOT, *path][: len(new_tokens)]:  # a parent whose children met a committed token
+            np.add.at(checked, self.sources[self.tree.parents == parent], 1.0)
+        np.add.at(kept, self.sources[path], 1.0)
         return checked, kept
 
     def search_paid(self, new_tokens: list[int]) -> bool:
@@ -301,31 +296,31 @@ class AdedDrafter(TreeDrafter):
         matched = _matched_paths(tokens, options, depth, budget)
         # asked every step: a rest counts request-steps, searched or not
         walks = self.iterations(options["iterations"], budget - matched.num_nodes) if state.rest.allows() else 0
-        if not walks:  # the matches are the draft (their nodes are the context's)
-            if matched.num_nodes and self.matrix.num_keys:
-                state.draft = Draft(matched, np.full(matched.num_nodes, CONTEXT), tokens.size, searched=False)
-            return matched
-        lookup = partial(
-            self.matrix.lookup,
-            overlays=(self.shared, state.overlay),
-            cap=options["adapt_cap"],
-            corpus_weight=state.record.corpus_weight,
-        )
-        params = SearchParams(iterations=walks, num_paths=options["num_paths"], depth=depth, max_nodes=budget)
-        rng = np.random.default_rng((options["seed"], tokens.size))
-        w1, w2 = int(tokens[-2]), int(tokens[-1])
-        found = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng, first=matched.leaf_paths())
-        # the matches' nodes come first in the tree: their kind says how long the match was
-        kinds = np.full(found.tree.num_nodes, SEARCH_KIND)  # [nodes]
-        if matched.kinds is not None:  # None: nothing matched (or prompt_lookup_max 0)
-            kinds[: matched.num_nodes] = matched.kinds
-        tree = found.tree.with_kinds(kinds)
-        sources = None
-        if tree.num_nodes and self.matrix.num_keys:  # without a corpus every node is the context's
-            sources = _sources(tree, w1, w2, lookup)
+        tree, walked, sources = matched, 0, None  # no walks: the matches are the draft, as they stand
+        if walks:
+            lookup = partial(
+                self.matrix.lookup,
+                overlays=(self.shared, state.overlay),
+                cap=options["adapt_cap"],
+                corpus_weight=state.record.corpus_weight,
+            )
+            params = SearchParams(iterations=walks, num_paths=options["num_paths"], depth=depth, max_nodes=budget)
+            rng = np.random.default_rng((options["seed"], tokens.size))
+            w1, w2 = int(tokens[-2]), int(tokens[-1])
+            found = search(lambda pairs: lookup(pairs).table, w1, w2, params, rng, first=matched.leaf_paths())
+            # the matches' nodes come first in the tree: their kind says how long the match was
+            kinds = np.full(found.tree.num_nodes, SEARCH_KIND)  # [nodes]
+            if matched.kinds is not None:  # None: nothing matched (or prompt_lookup_max 0)
+                kinds[: matched.num_nodes] = matched.kinds
+            tree, walked = found.tree.with_kinds(kinds), found.iterations
+            if tree.num_nodes and self.matrix.num_keys:  # without a corpus every node is the context's
+                sources = _sources(tree, w1, w2, lookup)
+        if tree.num_nodes and self.matrix.num_keys:  # the matches' nodes (all, without walks) are the context's
+            if sources is None:
+                sources = np.full(tree.num_nodes, CONTEXT)
             sources[: matched.num_nodes] = CONTEXT
-        if sources is not None or found.iterations:
-            state.draft = Draft(tree, sources, tokens.size, searched=found.iterations > 0)
+        if sources is not None or walked:
+            state.draft = Draft(tree, sources, tokens.size, searched=walked > 0)
         return tree
 
     def iterations(self, iterations: int, budget: int) -> int:
