@@ -1,5 +1,6 @@
 """The per-step node budget (``"max_nodes": "auto"``): its choice against brute
-force, its cost line, its acceptance estimates, its options, and engines whose
+force, its step cost (flat, then rising past a knee) and what the knee buys over
+a straight line, its acceptance estimates, its options, and engines whose
 outputs it never changes."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from vllm_specbeam.core.budget import (
     StepCost,
     StepCostModel,
     TreeShape,
+    choose_counts,
     choose_nodes,
     matched_nodes,
     path_values,
@@ -87,7 +89,12 @@ def test_choice_equals_brute_force(seed):
     shape = (budget_module.DEPTH_BUCKETS, budget_module.RANK_BUCKETS)
     rates = np.minimum.accumulate(rng.uniform(0.05, 0.95, shape), axis=1)
     values = [np.array(path_values(TreeShape.of(tree), rates)) for tree in trees]
-    cost = StepCost(intercept=float(rng.uniform(0.005, 0.05)), slope=float(rng.uniform(0.0005, 0.02)))
+    cost = StepCost(
+        intercept=float(rng.uniform(0.005, 0.05)),
+        slope=float(rng.uniform(0.0005, 0.02)),
+        knee=float(rng.integers(1, 8)),  # flat, then rising: the budget's choice holds for any cost of the rows
+        bend=float(rng.choice([0.0, rng.uniform(0.0005, 0.05)])),
+    )
     batch = 2
 
     def speed(masks: list[np.ndarray]) -> float:
@@ -106,12 +113,14 @@ def test_expensive_rows_keep_nothing_cheap_rows_keep_everything():
     values = [np.array([0.6, 0.3, 0.1])]
     assert choose_nodes([tree], values, 1, 1, StepCost(0.01, 1.0))[0].sum() == 0
     assert choose_nodes([tree], values, 1, 1, StepCost(0.01, 0.0))[0].sum() == 3
-    # The worked example of the module docstring: C(R) = 10 + 2R ms keeps two of [0.9, 0.45, 0.2].
-    kept = choose_nodes([tree], [np.array([0.9, 0.45, 0.2])], 1, 1, StepCost(0.010, 0.002))[0]
-    assert kept.tolist() == [True, True, False]
+    # The worked example of the module docstring: C(R) = 10 + 0.5R + 3 max(0, R - 3) ms keeps
+    # two of [0.9, 0.45, 0.2]; without the knee (0.5 ms a row throughout) it keeps all three.
+    values = [np.array([0.9, 0.45, 0.2])]
+    assert choose_nodes([tree], values, 1, 1, StepCost(0.010, 0.0005, 3, 0.003))[0].tolist() == [True, True, False]
+    assert choose_nodes([tree], values, 1, 1, StepCost(0.010, 0.0005))[0].tolist() == [True, True, True]
 
 
-# ------------------------------------------------------------------ cost line
+# ------------------------------------------------------------------ step cost
 def test_cost_model_recovers_a_known_line():
     rng = np.random.default_rng(0)
     model = StepCostModel()
@@ -134,12 +143,79 @@ def test_cost_model_follows_a_change_of_machine_load():
     assert model.fit().slope == pytest.approx(0.0010, rel=0.05)
 
 
+#: A target pass over a cached context, R rows against 1 (Qwen2.5-Coder-1.5B, bfloat16, a Xeon with
+#: AMX): flat up to 16 rows, then rising; past 64 rows it goes on as from 32 to 64.
+MEASURED_ROWS, MEASURED_RATIOS = [1, 8, 16, 32, 64], [1.0, 1.02, 1.04, 1.19, 1.48]
+
+
+def measured_seconds(rows: np.ndarray | float) -> np.ndarray:
+    rows = np.asarray(rows, float)
+    past = MEASURED_RATIOS[-1] + (rows - 64) * (MEASURED_RATIOS[-1] - MEASURED_RATIOS[-2]) / 32
+    return 0.030 * np.where(rows <= 64, np.interp(rows, MEASURED_ROWS, MEASURED_RATIOS), past)
+
+
+def observed_steps(seconds, rng: np.random.Generator, steps: int = 300, most_rows: int = 96):
+    """Steps of 1 to ``most_rows`` rows timed with 1% noise: the rows and their seconds."""
+    rows = rng.integers(1, most_rows + 1, steps)
+    return rows, seconds(rows) * (1 + rng.normal(0, 0.01, steps))
+
+
+def hinge_fit(rows: np.ndarray, seconds: np.ndarray) -> StepCost:
+    model = StepCostModel()
+    for r, s in zip(rows, seconds):
+        model.observe(int(r), float(s))
+    return model.fit()
+
+
+def test_cost_model_finds_the_knee_of_flat_then_rising_steps():
+    rng = np.random.default_rng(1)
+    planted = StepCost(0.030, 0.00005, knee=20, bend=0.0008)
+    fitted = hinge_fit(*observed_steps(planted.seconds, rng, most_rows=72))
+    assert 16 <= fitted.knee <= 24
+    assert fitted.slope == pytest.approx(0.00005, abs=0.00005)
+    assert fitted.bend == pytest.approx(0.0008, rel=0.1)
+    grid = np.arange(1, 73)
+    assert np.allclose(fitted.seconds(grid), planted.seconds(grid), rtol=0.01)
+    # The measured pass: its knee lies where its rows stop being free, past which a row costs
+    # well over one before it.
+    measured = hinge_fit(*observed_steps(measured_seconds, rng))
+    assert 12 <= measured.knee <= 24 and measured.bend > measured.slope / 2
+    assert np.allclose(measured.seconds(grid), measured_seconds(grid), rtol=0.02)
+
+
+@pytest.mark.parametrize(
+    ("batch", "acceptance", "depth", "hinge_keeps"),
+    [(1, 0.7, 12, "more"), (8, 0.6, 6, "fewer")],
+    ids=["rows-free-below-the-knee", "rows-dear-past-the-knee"],
+)
+def test_knee_keeps_free_rows_and_drops_dear_ones(batch, acceptance, depth, hinge_keeps):
+    """Fitted to the same steps of the measured pass, the hinge keeps the nodes the
+    true cost would; a straight line charges the rows below the knee too much (a
+    request alone keeps fewer nodes than pay) and the rows past it too little (a
+    batch keeps more), and its steps yield fewer tokens a second."""
+    rows, seconds = observed_steps(measured_seconds, np.random.default_rng(2))
+    hinge = hinge_fit(rows, seconds)
+    slope, intercept = np.polyfit(rows, seconds, 1)
+    line = StepCost(float(intercept), float(slope))
+    values = np.tile(acceptance ** np.arange(1, depth + 1), batch)  # [batch x depth]: each request a chain
+
+    def tokens_per_second(kept: int) -> float:
+        tokens = batch + np.sort(values)[::-1][:kept].sum()
+        return float(tokens / measured_seconds(batch + kept))
+
+    best = max(range(values.size + 1), key=tokens_per_second)
+    by_hinge, by_line = (choose_counts(values, batch, batch, cost) for cost in (hinge, line))
+    assert by_hinge == best
+    assert (by_hinge > by_line) if hinge_keeps == "more" else (by_hinge < by_line)
+    assert tokens_per_second(by_hinge) > tokens_per_second(by_line)
+
+
 def test_constant_rows_still_give_a_line():
     model = StepCostModel()
     for _ in range(50):
         model.observe(10, 0.02)
     line = model.fit()
-    assert line.slope > 0 and float(line.seconds(10)) == pytest.approx(0.02, rel=0.01)
+    assert line.slope > 0 and line.bend == 0 and float(line.seconds(10)) == pytest.approx(0.02, rel=0.01)
 
 
 # ------------------------------------------------------------------ the budget over steps

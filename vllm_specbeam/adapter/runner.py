@@ -295,8 +295,18 @@ class TreeRunnerMixin:
         """The counters as a plain dict, for readers through ``LLM.collective_rpc``
         (tests, benchmarks), and the drafter's memory now (not a counter)."""
         cost = None if self.budget is None else self.budget.cost
-        # the budget's fitted cost line, once it has one (not a counter: readers take it as is)
-        line = {} if cost is None else {"step_cost_intercept_s": cost.intercept, "step_cost_per_row_s": cost.slope}
+        # the budget's fitted cost, once it has one (not a counter: readers take it as is);
+        # each row past ``knee`` rows costs ``slope + bend``
+        line = (
+            {}
+            if cost is None
+            else {
+                "step_cost_intercept_s": cost.intercept,
+                "step_cost_per_row_s": cost.slope,
+                "step_cost_knee_rows": cost.knee,
+                "step_cost_bend_s": cost.bend,
+            }
+        )
         return {**self.tree_counts.as_dict(), STATE_BYTES: self.tree_drafter.state_bytes, **line}
 
     @property
@@ -440,12 +450,14 @@ class TreeRunnerMixin:
         counts, cost = self.tree_counts, self.budget.cost
         logger.info(
             "vllm-specbeam step budget: %.2f of %.2f drafted nodes kept per asked request, %d idle; "
-            "step cost %.1f ms + %.3f ms per row",
+            "step cost %.1f ms + %.3f ms per row, %.3f ms more per row past %d rows",
             counts.budget_kept / max(counts.budget_asked, 1),
             counts.budget_drafted / max(counts.budget_asked, 1),
             counts.budget_idle,
             1e3 * cost.intercept,
             1e3 * cost.slope,
+            1e3 * cost.bend,
+            cost.knee,
         )
 
     # -------------------------------------------------------------- inputs

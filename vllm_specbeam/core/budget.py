@@ -15,12 +15,16 @@ nodes of the whole batch that maximise::
     (requests + sum of the n best values) / C(rows without drafts + n)
 
 down to ``n = 0`` (no draft at all). Worked example: one request drafting a
-chain worth ``[0.9, 0.45, 0.2]`` with ``C(R) = 10 + 2R`` ms: n = 0 gives
-1/12 = 0.083 tokens/ms, n = 1: 1.9/14 = 0.136, n = 2: 2.35/16 = 0.147,
-n = 3: 2.55/18 = 0.142, so two nodes are kept. Values never grow down a path
-(``c <= 1``) nor along siblings (``c`` is made non-increasing in rank), so the
-``n`` best nodes always form trees hanging from the roots, siblings kept in the
-drafter's order (ties go to the earlier node: a parent before its children).
+chain worth ``[0.9, 0.45, 0.2]`` with ``C(R) = 10 + 0.5R + 3 max(0, R - 3)`` ms
+(half a millisecond a row up to 3 rows, 3.5 past them): n = 0 gives
+1/10.5 = 0.095 tokens/ms, n = 1: 1.9/11 = 0.173, n = 2: 2.35/11.5 = 0.204,
+n = 3: 2.55/15 = 0.170, so two nodes are kept; were the fourth row as cheap as
+the others (12 ms), the third node would pay too (0.2125). Values never grow
+down a path (``c <= 1``) nor along siblings (``c`` is made non-increasing in
+rank), so the ``n`` best nodes always form trees hanging from the roots,
+siblings kept in the drafter's order (ties go to the earlier node: a parent
+before its children). Since the cost depends on ``n`` alone, the best ``n``
+nodes for each ``n`` are the best choice of that size, whatever ``C``'s shape.
 
 ``c`` is learnt per request from what the target committed after each draft:
 a node is a *trial* when its parent matched the committed tokens (or it hangs
@@ -32,11 +36,19 @@ requests accept exactly what matches; for sampled ones matching is the
 estimate (a deterministic draft token ``x`` is accepted with probability
 ``p(x)``, the chance that the target samples it).
 
-``C`` is a straight line fitted to the engine's own decode steps, wall time
-against rows (:class:`StepCostModel`), so it follows the machine, the model and
-the batch. Nothing here looks at a drafted token's value or at the target's
-probabilities: a pruned tree is one its drafter could have proposed, and a
-verifier's guarantee holds for it as for any other.
+``C`` is fitted to the engine's own decode steps, wall time against rows
+(:class:`StepCostModel`), so it follows the machine, the model and the batch.
+Its shape is flat, then rising: a line that bends up at a knee,
+``C(R) = a + b R + c max(0, R - K)`` with ``b, c >= 0``. A target's pass over a
+cached context costs about the same for a few rows as for one until the
+matrix units are full (bfloat16 on a CPU with AMX: 1.04x one row's time for
+16 rows, 1.48x for 64, Qwen2.5-Coder-1.5B), so a straight line through such
+steps would charge small trees for rows that are free and large ones too
+little past the knee. The knee is the candidate row count that fits best;
+before the rows have varied ``C`` is a straight line. Nothing here looks at a
+drafted token's value or at the target's probabilities: a pruned tree is one
+its drafter could have proposed, and a verifier's guarantee holds for it as
+for any other.
 """
 
 from __future__ import annotations
@@ -137,47 +149,87 @@ class AcceptanceCounts:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds of one step verifying ``rows`` rows: ``intercept + slope * rows``."""
+    """Seconds of one step verifying ``rows`` rows: flat, then rising past a knee,
+    ``intercept + slope * rows + bend * max(0, rows - knee)``.
+
+    A target's pass costs about the same for a few rows as for one (the matrix
+    units have room to spare), then more per row once they are full; without a
+    bend it is a straight line.
+    """
 
     intercept: float
     slope: float
+    knee: float = 0.0
+    bend: float = 0.0
 
     def seconds(self, rows: np.ndarray | float) -> np.ndarray | float:
-        return self.intercept + self.slope * rows
+        return self.intercept + self.slope * rows + self.bend * np.maximum(np.asarray(rows) - self.knee, 0.0)
 
 
 class StepCostModel:
-    """Step seconds against rows, by exponentially weighted least squares.
+    """Step seconds against rows, by exponentially weighted least squares of
+    :class:`StepCost`'s hinge, its knee the best fitting of :attr:`KNEES`.
 
-    A little ridge towards a slope of ``mean / PRIOR_ROWS`` keeps the line
-    defined before the rows have varied (every step the same batch and tree).
+    Each candidate knee keeps its own weighted sums, so observing a step and
+    fitting cost a few small array operations whatever the history. A little
+    ridge, towards a slope of ``mean / PRIOR_ROWS`` past the knee and no bend,
+    keeps the fit defined before the rows have varied (every step the same
+    batch and tree): then it is a straight line through the steps seen. A knee
+    with (almost) no step past it is no candidate: its bend would be the
+    ridge's guess, not a measurement.
     """
 
     PRIOR_ROWS = 64.0
     RIDGE = 16.0
+    #: candidate knees, in rows (a step's rows: one per request, plus the drafted nodes):
+    #: 2, 4, 6, then four a doubling, 8, 10, 12, 14, 16, 20, ... up to 512
+    KNEES = np.array(
+        [2, 4, 6] + [base * quarter // 4 for base in 8 << np.arange(6) for quarter in (4, 5, 6, 7)] + [512]
+    )
+    #: the free parameters (intercept, slope, bend) on each face of ``slope, bend >= 0``
+    FACES = np.array([[1, 1, 1], [1, 0, 1], [1, 1, 0], [1, 0, 0]])
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
-        self._sums = np.zeros(5)  # weight, sum x, sum y, sum x^2, sum x*y
+        self._gram = np.zeros((self.KNEES.size, 3, 3))  # [knees, 3, 3] weighted sums of f f', f = (1, x, hinge)
+        self._moment = np.zeros((self.KNEES.size, 3))  # [knees, 3] weighted sums of f y
 
     def observe(self, rows: int, seconds: float) -> None:
-        x, y = float(rows), float(seconds)
-        self._sums = self._sums * self.decay + np.array([1.0, x, y, x * x, x * y])
+        hinge = np.maximum(rows - self.KNEES, 0.0)  # [knees]
+        features = np.stack([np.ones_like(hinge), np.full_like(hinge, rows), hinge], axis=1)  # [knees, 3]
+        self._gram = self._gram * self.decay + features[:, :, None] * features[:, None, :]
+        self._moment = self._moment * self.decay + features * float(seconds)
 
     @property
     def observed(self) -> bool:
-        return bool(self._sums[0] > 0)
+        return bool(self._gram[0, 0, 0] > 0)
 
     def fit(self) -> StepCost:
-        weight, sx, sy, sxx, sxy = self._sums
+        """The knee, slope and bend (both >= 0) of least ridged squares.
+
+        For parameters ``theta`` the ridged squares are ``theta' G theta -
+        2 theta' m`` plus a constant; their least over ``slope, bend >= 0`` is
+        the least of the unconstrained minima on the faces of that quadrant
+        that land inside it (one face, intercept alone, always does).
+        """
+        weight, sx, sy = self._gram[0, 0, 0], self._gram[0, 0, 1], self._moment[0, 0]
         if weight <= 0:
             raise ValueError("no step observed yet")
-        mean_x, mean_y = sx / weight, sy / weight
-        spread = sxx - weight * mean_x**2  # weighted sum of squared deviations
-        covariance = sxy - weight * mean_x * mean_y
-        prior_slope = mean_y / (mean_x + self.PRIOR_ROWS)
-        slope = max(0.0, (covariance + self.RIDGE * prior_slope) / (spread + self.RIDGE))
-        return StepCost(max(mean_y - slope * mean_x, 0.0), slope)
+        prior_slope = sy / (sx + weight * self.PRIOR_ROWS)  # mean seconds / (mean rows + PRIOR_ROWS)
+        # RIDGE x ((slope + bend - prior_slope)^2 + bend^2): a bend the steps do not ask for costs
+        gram = self._gram + self.RIDGE * np.array([[0, 0, 0], [0, 1, 1], [0, 1, 2]])  # [knees, 3, 3]
+        moment = self._moment + self.RIDGE * prior_slope * np.array([0, 1, 1])  # [knees, 3]
+        free = self.FACES[:, None, :, None] * self.FACES[:, None, None, :]  # [faces, 1, 3, 3]
+        fixed = np.eye(3) * (1 - self.FACES[:, None, :, None])  # [faces, 1, 3, 3]: theta_i = 0
+        rhs = moment * self.FACES[:, None, :]  # [faces, knees, 3]
+        theta = np.linalg.solve(gram * free + fixed, rhs[..., None])[..., 0]  # [faces, knees, 3]
+        loss = np.einsum("fki,kij,fkj->fk", theta, gram, theta) - 2 * np.einsum("fki,ki->fk", theta, moment)
+        loss[(theta[..., 1:] < 0).any(axis=-1)] = np.inf  # outside the quadrant
+        unmeasured = self._gram[:, 2, 2] < self.RIDGE  # [knees]: past it, the steps say less than the ridge
+        loss[np.ix_(self.FACES[:, 2] > 0, unmeasured)] = np.inf
+        face, knee = np.unravel_index(int(np.argmin(loss)), loss.shape)
+        intercept, slope, bend = theta[face, knee].tolist()
+        return StepCost(max(intercept, 0.0), slope, float(self.KNEES[knee]), bend)
 
 
 def choose_counts(values: np.ndarray, base_tokens: float, base_rows: float, cost: StepCost) -> int:
