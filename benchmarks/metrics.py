@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,127 @@ def exact_match(outputs: Sequence[Sequence[int]], references: Sequence[Sequence[
     return sum(list(a) == list(b) for a, b in zip(outputs, references)) / len(outputs)
 
 
+# ----------------------------------------------------------------- divergence
+#: A no-speculation output, as the key of its margins: (prompt index, its token ids).
+Reference = tuple[int, tuple[int, ...]]
+
+
+def first_divergence(output: Sequence[int], reference: Sequence[int]) -> int | None:
+    """Token index where ``output`` first differs from ``reference`` (the shorter
+    one's length when one is the other's prefix); ``None`` when they are equal."""
+    for position, (token, expected) in enumerate(zip(output, reference)):
+        if token != expected:
+            return position
+    return None if len(output) == len(reference) else min(len(output), len(reference))
+
+
+def top2_margin(candidates: Mapping[int, float]) -> float:
+    """The two most likely tokens' log-probability gap: both share one log-softmax
+    normaliser, so it is their logit gap, the target's own confidence in its choice."""
+    best = sorted(candidates.values(), reverse=True)[:2]
+    if len(best) < 2:
+        raise ValueError(f"{len(best)} candidate(s): the margin needs the top 2 (score with logprobs >= 2)")
+    return best[0] - best[1]
+
+
+def continuation_margins(prompt_logprobs: Sequence[Mapping[int, float] | None], start: int) -> list[float]:
+    """:func:`top2_margin` at every position from ``start`` of a scoring pass run with
+    ``prompt_logprobs >= 2``: entry ``i`` is the target's choice after ``token_ids[: start + i]``."""
+    if start < 1:
+        raise ValueError("the first scored token needs a context: start must be >= 1")
+    margins = []
+    for position in range(start, len(prompt_logprobs)):
+        candidates = prompt_logprobs[position]
+        if candidates is None:
+            raise ValueError(f"no log-probabilities at position {position}")
+        margins.append(top2_margin(candidates))
+    return margins
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where one output first left no speculation's output for its prompt (``position``:
+    the token index in the output) and the float32 target's top-2 logit margin there,
+    given the prompt and no speculation's output before it (``None``: not scored)."""
+
+    prompt: int
+    position: int
+    margin: float | None
+
+
+@dataclass(frozen=True)
+class DivergenceReport:
+    """A greedy row's outputs against no speculation's. Greedy decoding that
+    keeps the target's choices can only leave them where two tokens nearly tie
+    (rounding, batch shapes): a divergence at a margin above ``near_tie`` is a
+    bug signal (``clear``), unless the method is lossy by design."""
+
+    compared: int
+    divergences: tuple[Divergence, ...]
+    near_tie: float
+
+    @property
+    def max_margin(self) -> float | None:
+        return max((d.margin for d in self.divergences if d.margin is not None), default=None)
+
+    @property
+    def clear(self) -> list[Divergence]:
+        return [d for d in self.divergences if d.margin is not None and d.margin > self.near_tie]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as a result row's ``divergence`` field."""
+        return {
+            "compared": self.compared,
+            "identical": self.compared - len(self.divergences),
+            "diverged": len(self.divergences),
+            "points": [asdict(d) for d in self.divergences],
+            "max_margin": self.max_margin,
+            "near_tie": self.near_tie,
+            "clear_margin": [asdict(d) for d in self.clear],
+        }
+
+
+def diverged_references(outputs: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> set[Reference]:
+    """The no-speculation outputs that ``outputs`` left: whose margins a report needs."""
+    return {
+        (prompt, tuple(reference))
+        for prompt, (output, reference) in enumerate(zip(outputs, references, strict=True))
+        if first_divergence(output, reference) is not None
+    }
+
+
+def divergence_report(
+    outputs: Sequence[Sequence[int]],
+    references: Sequence[Sequence[int]],
+    margins: Mapping[Reference, Sequence[float]],
+    near_tie: float,
+) -> DivergenceReport:
+    """Each output's first divergence from its reference, with the reference's
+    margin there (``margins``: per-position margins of each reference)."""
+    if len(outputs) != len(references):
+        raise ValueError(f"{len(outputs)} outputs for {len(references)} references")
+    divergences = []
+    for prompt, (output, reference) in enumerate(zip(outputs, references)):
+        position = first_divergence(output, reference)
+        if position is None:
+            continue
+        along = margins.get((prompt, tuple(reference)), ())
+        divergences.append(Divergence(prompt, position, along[position] if position < len(along) else None))
+    return DivergenceReport(len(outputs), tuple(divergences), near_tie)
+
+
+def divergence_cell(summary: Mapping[str, Any] | None) -> str:
+    """A row's ``divergence`` field in a table cell: "identical 10/12; 2 diverged (max margin 0.21)"."""
+    if summary is None:
+        return "–"
+    cell = f"identical {summary['identical']}/{summary['compared']}"
+    if summary["diverged"]:
+        cell += f"; {summary['diverged']} diverged (max margin {_fmt(summary['max_margin'])})"
+    if summary["clear_margin"]:
+        cell += f"; **{len(summary['clear_margin'])} at a clear margin (> {summary['near_tie']:g})**"
+    return cell
+
+
 #: Stop sequences of the HumanEval paper: a completion ends with the function body.
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
@@ -218,6 +339,11 @@ _RUN = {
         "peak_rss_mib": _NUM,
         "mean_loglik_per_token": _NUM,
         "exact_match": _NUM,
+        "divergence": {
+            "type": ["object", "null"],
+            "required": ["compared", "identical", "diverged", "points", "max_margin", "near_tie", "clear_margin"],
+        },
+        "dtype": {"type": ["string", "null"]},
         "pass_rate": _NUM,
         "counters": {"type": "object"},
         "best": {"type": "boolean"},
@@ -323,6 +449,7 @@ OFFLINE_COLUMNS = (
     ("peak RSS MiB", "peak_rss_mib", 0),
     ("loglik/token", "mean_loglik_per_token", 3),
     ("exact match", "exact_match", 2),
+    ("divergence", "divergence_cell", 0),
     ("pass@1", "pass_rate", 2),
 )
 
@@ -342,7 +469,7 @@ def offline_table(runs: Sequence[Mapping[str, Any]]) -> str:
         (r for r in runs if r["best"]),
         key=lambda r: (r["temperature"], r["batch_size"], r["method"] != "none", -r["tokens_per_s"]),
     )
-    return markdown_table(rows, OFFLINE_COLUMNS)
+    return markdown_table(with_divergence_cells(rows), OFFLINE_COLUMNS)
 
 
 #: (title, key, digits) of the beam-search table.
@@ -377,7 +504,13 @@ SETTINGS_COLUMNS = (
     ("drafter state bytes", "drafter_state_bytes", 0),
     ("loglik/token", "mean_loglik_per_token", 3),
     ("exact match", "exact_match", 2),
+    ("divergence", "divergence_cell", 0),
 )
+
+
+def with_divergence_cells(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with their ``divergence`` field as a table cell (``divergence_cell``)."""
+    return [{**row, "divergence_cell": divergence_cell(row.get("divergence"))} for row in rows]
 
 
 def settings_table(runs: Sequence[Mapping[str, Any]]) -> str:
@@ -390,7 +523,9 @@ def settings_table(runs: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
         return ""
     rows.sort(key=lambda r: (r["temperature"], r["batch_size"], r["method"], -r["tokens_per_s"]))
-    return "\nEvery setting of the methods that swept several:\n\n" + markdown_table(rows, SETTINGS_COLUMNS)
+    return "\nEvery setting of the methods that swept several:\n\n" + markdown_table(
+        with_divergence_cells(rows), SETTINGS_COLUMNS
+    )
 
 
 def beam_table(runs: Sequence[Mapping[str, Any]]) -> str:

@@ -13,7 +13,10 @@
 #    (tests and site-packages left out) with the model's tokenizer, once;
 # 3. runs benchmarks/compare.py: 8 HumanEval prompts, 64 tokens, greedy,
 #    batch 1 and 8, 3 timed repeats (median), quick sweep, aded with and
-#    without the corpus; prints the table and writes $OUT (default
+#    without the corpus, in the checkpoint's dtype (compare.py's --dtype auto:
+#    bfloat16, or float32 on a CPU without native bfloat16; pass --dtype float32
+#    for the earlier runs' precision); prints the table, with each greedy row's
+#    divergence from no speculation, and writes $OUT (default
 #    ./results/main-job): result.json, table.md, PNG.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

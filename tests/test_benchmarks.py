@@ -153,16 +153,21 @@ def test_schema_best_setting_and_table(tmp_path):
     runs = synthetic_runs()
     metrics.mark_best(runs)
     assert [r["best"] for r in runs] == [True, False, True, True]
+    # one of two outputs left no speculation's at its token 1, where the target's margin was 0.21
+    report = metrics.divergence_report([[1, 2], [3, 9]], [[1, 2], [3, 4]], {(1, (3, 4)): [0.1, 0.21]}, 0.5)
+    runs[2]["divergence"] = report.as_dict()
     result = synthetic_result(runs)
     metrics.validate_result(result)
     # best setting per method and scenario only, the baseline first, cells rounded per column
     assert metrics.offline_table(runs).splitlines() == [
         "| batch | temp | method | best setting | tok/s (median) | speedup | paired speedup | accepted/step "
-        "| acceptance | dsbd width | steps/token | draft share | peak RSS MiB | loglik/token | exact match | pass@1 |",
-        "|" + "---|" * 16,
-        "| 1 | 0.0 | none | - | 10.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
-        "| 1 | 0.0 | lookup_tree | d5/n16 | 14.0 | 1.40 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
-        "| 8 | 0.0 | none | - | 30.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – |",
+        "| acceptance | dsbd width | steps/token | draft share | peak RSS MiB | loglik/token | exact match "
+        "| divergence | pass@1 |",
+        "|" + "---|" * 17,
+        "| 1 | 0.0 | none | - | 10.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – | – |",
+        "| 1 | 0.0 | lookup_tree | d5/n16 | 14.0 | 1.40 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 "
+        "| identical 1/2; 1 diverged (max margin 0.21) | – |",
+        "| 8 | 0.0 | none | - | 30.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – | – |",
     ]
     metrics.plot_speedup_vs_quality(runs, tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
@@ -179,6 +184,178 @@ def test_schema_best_setting_and_table(tmp_path):
     bad_status["methods"]["aded"]["status"] = "maybe"
     with pytest.raises(jsonschema.ValidationError):
         metrics.validate_result(bad_status)
+    no_margin = json.loads(json.dumps(result))
+    del no_margin["runs"][2]["divergence"]["max_margin"]
+    with pytest.raises(jsonschema.ValidationError, match="max_margin"):
+        metrics.validate_result(no_margin)
+
+
+# ------------------------------------------------------------ divergence
+def test_first_divergence_and_top2_margin():
+    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert metrics.first_divergence([9], [1]) == 0
+    assert metrics.first_divergence([1, 2], [1, 2, 3]) == 2  # one stopped early: it diverged where it stopped
+    # the top 2 of whatever the pass returned (the scored token beside them), in any order
+    assert metrics.top2_margin({4: -2.0, 7: -0.25, 9: -1.0}) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="logprobs >= 2"):
+        metrics.top2_margin({4: -0.1})
+    # prompt [5, 6] + output [7, 8]: the margins of positions 2 and 3, the output's tokens 0 and 1
+    table = [None, {6: -0.1, 1: -3.0}, {7: -0.5, 2: -1.5}, {8: -0.2, 3: -0.3, 7: -4.0}]
+    assert metrics.continuation_margins(table, start=2) == pytest.approx([1.0, 0.1])
+
+
+def planted_divergences(near_tie: float = 0.5) -> metrics.DivergenceReport:
+    """Four outputs against no speculation's: one identical, one leaving it at a near-tie
+    (margin 0.1), one at exactly the threshold, one at a clear margin (2.5)."""
+    references = [[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    outputs = [[1, 2, 3, 4], [1, 2, 7, 7], [5, 6, 7, 1], [9, 3, 3, 3]]
+    margins = {
+        (1, (1, 2, 3, 4)): [3.0, 3.0, 0.1, 3.0],
+        (2, (5, 6, 7, 8)): [3.0, 3.0, 3.0, near_tie],
+        (3, (9, 9, 9, 9)): [0.0, 2.5, 0.0, 0.0],
+    }
+    return metrics.divergence_report(outputs, references, margins, near_tie)
+
+
+def test_divergence_report_flags_a_clear_margin_and_not_a_near_tie():
+    report = planted_divergences()
+    assert report.divergences == (
+        metrics.Divergence(prompt=1, position=2, margin=0.1),
+        metrics.Divergence(prompt=2, position=3, margin=0.5),
+        metrics.Divergence(prompt=3, position=1, margin=2.5),
+    )
+    assert report.max_margin == 2.5
+    assert report.clear == [metrics.Divergence(3, 1, 2.5)]  # "above" the threshold: 0.5 itself is a near-tie
+    summary = report.as_dict()
+    assert (summary["compared"], summary["identical"], summary["diverged"]) == (4, 1, 3)
+    assert summary["clear_margin"] == [{"prompt": 3, "position": 1, "margin": 2.5}]
+    assert metrics.divergence_cell(summary) == (
+        "identical 1/4; 3 diverged (max margin 2.50); **1 at a clear margin (> 0.5)**"
+    )
+    assert planted_divergences(near_tie=3.0).clear == []  # all near-ties at a looser threshold
+    # no margins scored (the float32 engine failed): positions still reported, nothing flagged
+    unscored = metrics.divergence_report([[1, 9]], [[1, 2]], {}, 0.5)
+    assert unscored.divergences == (metrics.Divergence(0, 1, None),) and unscored.clear == []
+    assert metrics.divergence_cell(unscored.as_dict()) == "identical 0/1; 1 diverged (max margin –)"
+    assert metrics.divergence_cell(metrics.divergence_report([[1]], [[1]], {}, 0.5).as_dict()) == "identical 1/1"
+    assert metrics.diverged_references([[1, 2], [3, 9]], [[1, 2], [3, 4]]) == {(1, (3, 4))}
+
+
+def assemble_planted(margins: dict) -> tuple[list[dict], list[set]]:
+    """``compare.assemble`` on made-up raw data: no speculation at batch 1 and 2 (its outputs
+    differ between them), ``ngram`` leaving it at a near-tie at batch 1 and ``lookup_tree``
+    at a clear margin at batch 2, ``mjsd`` (lossy) at a clear margin; the margins asked."""
+    scenarios = [{"batch_size": 1, "temperature": 0.0}, {"batch_size": 2, "temperature": 0.0}]
+
+    def raw(*outputs: list[list[int]]) -> dict:
+        runs = [
+            {
+                **{"scenario": k, "setting": 0, "wall_s": [1.0], "started_s": [0.0], "output_tokens_runs": [6]},
+                **{"counters": {"accepted": 0}, "outputs": out, "texts": ["", ""], "logliks": [[-1.0] * 3] * 2},
+            }
+            for k, out in enumerate(outputs)
+        ]
+        return {"job": {"scenarios": scenarios}, "runs": runs}
+
+    none = [[1, 2, 3], [4, 5, 6]]
+    none_b2 = [[1, 2, 3], [4, 5, 7]]
+    engines = [
+        compare.EngineSpec(name, name, kind, None, [compare.Setting("s", {})])
+        for name, kind in (("ngram", "vllm"), ("lookup_tree", "plugin"), ("mjsd", "plugin"), ("none", "baseline"))
+    ]
+    data = {
+        "ngram": raw([[1, 2, 3], [4, 9, 9]], none_b2),
+        "lookup_tree": raw(none, [[1, 2, 3], [4, 5, 8]]),
+        "mjsd": raw([[1, 7, 7], [4, 5, 6]], none_b2),
+        "none": raw(none, none_b2),
+    }
+    records = [{"id": e.id, "peak_rss_mib": 1.0, "dtype": "bfloat16"} for e in engines]
+    asked: list[set] = []
+
+    def margins_for(needed: set) -> dict:
+        asked.append(needed)
+        return margins
+
+    args = argparse.Namespace(near_tie=0.5)
+    return compare.assemble(args, engines, records, data, [], margins_for), asked
+
+
+def test_assemble_reports_divergences_against_the_same_batch_size():
+    margins = {(1, (4, 5, 6)): [2.0, 0.2, 1.0], (1, (4, 5, 7)): [2.0, 2.0, 1.5], (0, (1, 2, 3)): [1.0, 3.0, 0.0]}
+    runs, asked = assemble_planted(margins)
+    # every no-speculation output some row left (each batch size's own), asked for once
+    assert asked == [{(1, (4, 5, 6)), (1, (4, 5, 7)), (0, (1, 2, 3))}]
+    by_row = {(r["method"], r["batch_size"]): r for r in runs}
+    assert by_row[("ngram", 1)]["divergence"]["points"] == [{"prompt": 1, "position": 1, "margin": 0.2}]
+    assert by_row[("ngram", 2)]["divergence"]["diverged"] == 0
+    assert by_row[("lookup_tree", 2)]["divergence"]["points"] == [{"prompt": 1, "position": 2, "margin": 1.5}]
+    assert by_row[("none", 1)]["divergence"]["identical"] == 2 and by_row[("none", 1)]["dtype"] == "bfloat16"
+    clear = compare.clear_margin_divergences(runs)
+    assert [(d["method"], d["batch_size"], d["prompt"], d["position"], d["expected"]) for d in clear] == [
+        ("lookup_tree", 2, 1, 2, False),
+        ("mjsd", 1, 0, 1, True),
+    ]
+
+
+def test_clear_margin_divergences_are_printed_as_bug_signals_unless_lossy(capsys):
+    runs, _ = assemble_planted({(1, (4, 5, 6)): [2.0, 0.2, 1.0], (1, (4, 5, 7)): [2.0, 2.0, 1.5]})
+    compare.print_clear_margin_divergences(compare.clear_margin_divergences(runs), 0.5)
+    printed = capsys.readouterr().out
+    assert "!!! 1 CLEAR-MARGIN DIVERGENCE(S)" in printed
+    assert "!!!   lookup_tree s batch 2: prompt 1, token 2, margin 1.500" in printed
+    assert "ngram" not in printed  # its divergence was a near-tie
+    assert "mjsd: lossy by design" not in printed  # its margin was not scored (not in the margins)
+    runs, _ = assemble_planted({(0, (1, 2, 3)): [1.0, 3.0, 0.0]})
+    compare.print_clear_margin_divergences(compare.clear_margin_divergences(runs), 0.5)
+    printed = capsys.readouterr().out
+    assert "!!!" not in printed and "(clear-margin divergences of mjsd: lossy by design" in printed
+
+
+def test_margins_come_from_a_float32_engine_only_when_missing():
+    known = {(0, (1, 2)): [1.0, 2.0]}
+    started: list[list] = []
+
+    def score(missing: list) -> dict:
+        started.append(missing)
+        return {reference: [0.5] * len(reference[1]) for reference in missing}
+
+    # the baseline's own float32 pass had them all: no engine started
+    assert compare.complete_margins(known, {(0, (1, 2))}, score) == known and started == []
+    assert compare.complete_margins(known, set(), score) == known and started == []
+    margins = compare.complete_margins(known, {(0, (1, 2)), (1, (3,)), (0, (1, 3))}, score)
+    assert started == [[(0, (1, 3)), (1, (3,))]]  # only the missing ones, in one start
+    assert margins[(1, (3,))] == [0.5] and margins[(0, (1, 2))] == [1.0, 2.0]
+    assert compare.margins_of([(0, [1, 2])], None) == {}  # a pass in another dtype gave none
+    assert compare.margins_of([(0, [1, 2])], [[0.3, 0.4]]) == {(0, (1, 2)): [0.3, 0.4]}
+
+
+def test_score_margins_are_the_float32_targets_top2_gap(engines):
+    """The margins of the scoring pass (prompt_logprobs=2 along an output) are what one
+    ``max_tokens=1, logprobs=2`` request at each context gives, on the float32 tiny model."""
+    from conftest import make_prompts
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engines.get(None)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [tokenizer.encode(text) for text in make_prompts(3)[1:]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], greedy, use_tqdm=False)
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    external = [{"prompt": p, "output": out} for p, out in enumerate(outputs)]
+    scores = compare._score(llm, prompt_ids, external, [], "external")
+    assert scores["own"] == [] and len(scores["margins"]) == len(outputs)
+    contexts = [(p, position) for p in range(len(outputs)) for position in range(len(outputs[p]))]
+    direct = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt_ids[p] + outputs[p][:position]) for p, position in contexts],
+        SamplingParams(temperature=0.0, max_tokens=1, logprobs=2),
+        use_tqdm=False,
+    )
+    for (p, position), result in zip(contexts, direct):
+        top = {token: logprob.logprob for token, logprob in result.outputs[0].logprobs[0].items()}
+        assert scores["margins"][p][position] == pytest.approx(metrics.top2_margin(top), abs=1e-3)
+    assert compare.resolved_dtype(llm) == "float32"
 
 
 def test_beam_table_lists_every_width_side_by_side():
@@ -548,9 +725,49 @@ def test_intel_openmp_preload_prepends_once_and_respects_off(monkeypatch, tmp_pa
     assert compare.os.environ["VLLM_CPU_KVCACHE_SPACE"] == compare.ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
 
 
+def test_dtype_auto_is_the_checkpoints_unless_the_cpu_lacks_bfloat16(monkeypatch, capsys):
+    assert compare.parse_args([]).dtype == "auto"
+    monkeypatch.setattr(compare.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(compare, "engines_run_on_cpu", lambda: True)
+    for flags in ({"avx512f", "avx512_bf16"}, {"amx_bf16", "amx_tile"}):
+        monkeypatch.setattr(compare, "cpu_flags", lambda flags=flags: flags)
+        assert compare.choose_dtype("auto") == compare.DtypeChoice("auto", "auto")
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(compare, "cpu_flags", lambda: {"avx2", "avx512f", "amx_tile"})  # AMX tiles, no bf16
+    choice = compare.choose_dtype("auto")
+    assert choice.engine == "float32" and "no native bfloat16" in choice.fallback
+    assert capsys.readouterr().out.startswith("--dtype auto: this x86_64 CPU has no native bfloat16")
+    assert compare.choose_dtype("bfloat16") == compare.DtypeChoice("bfloat16", "bfloat16")  # asked for: kept
+    monkeypatch.setattr(compare, "engines_run_on_cpu", lambda: False)  # a GPU's engines: the host CPU is no matter
+    assert compare.choose_dtype("auto").engine == "auto"
+    monkeypatch.setattr(compare, "engines_run_on_cpu", lambda: True)
+    monkeypatch.setattr(compare.platform, "machine", lambda: "aarch64")
+    assert compare.choose_dtype("auto").engine == "float32"
+    monkeypatch.setattr(compare, "cpu_flags", lambda: {"asimd", "bf16"})
+    assert compare.choose_dtype("auto").engine == "auto"
+    # the result records the flags
+    monkeypatch.setattr(compare, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert compare.environment("m", None)["cpu_bf16"] == {
+        "amx_bf16": False,
+        "amx_tile": False,
+        "avx512_bf16": True,
+        "bf16": False,
+    }
+
+
+def test_cpu_flags_reads_proc_cpuinfo(monkeypatch, tmp_path):
+    monkeypatch.setattr(compare, "CPUINFO", tmp_path / "cpuinfo")
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n\nprocessor\t: 1\n")
+    assert compare.cpu_flags() == {"fpu", "avx512f", "avx512_bf16"}
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # aarch64
+    assert compare.cpu_flags() == {"fp", "asimd", "bf16"}
+    (tmp_path / "cpuinfo").unlink()
+    assert compare.cpu_flags() == set()
+
+
 def tiny_benchmark(tiny_model, tmp_path, *options: str) -> tuple[dict, Path]:
     """``compare.py`` with ``none`` and ``lookup_tree`` on the tiny model: 3 prompts,
-    24 greedy tokens, the defaults only; its validated result and output directory."""
+    24 greedy tokens, float32, the defaults only; its validated result and output directory."""
     from conftest import make_prompts
 
     prompts = tmp_path / "prompts.jsonl"
@@ -561,7 +778,7 @@ def tiny_benchmark(tiny_model, tmp_path, *options: str) -> tuple[dict, Path]:
     command = [
         *(sys.executable, str(BENCH / "compare.py"), "--model", tiny_model, "--prompts", str(prompts)),
         *("--max-tokens", "24", "--temperatures", "0", "--methods", "none", "lookup_tree", "--sweep", "none"),
-        *("--max-model-len", "512", "--out", str(out), *options),
+        *("--max-model-len", "512", "--dtype", "float32", "--out", str(out), *options),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -584,6 +801,14 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     # vLLM's own resolution, recorded: off for custom_class methods, and for every engine on CPU
     assert {e["id"]: e["async_scheduling"] for e in result["engines"]} == {"lookup_tree": False, "none": False}
     assert result["environment"]["vllm"].startswith("0.32")
+    # the dtype asked for, given and resolved by vLLM (each engine's model config), the CPU's bf16 flags
+    config = result["config"]
+    assert (config["dtype"], config["engine_dtype"], config["dtype_resolved"]) == ("float32",) * 3
+    assert config["dtype_fallback"] is None and config["near_tie"] == 0.5
+    assert {e["id"]: e["dtype"] for e in result["engines"]} == {"lookup_tree": "float32", "none": "float32"}
+    assert set(result["environment"]["cpu_bf16"]) == set(compare.RECORDED_FLAGS)
+    # nothing diverged: no float32 engine started for margins, nothing flagged
+    assert result["clear_margin_divergences"] == [] and result["margin_engine"] is None
     runs = {(r["method"], r["batch_size"]): r for r in result["runs"]}
     assert set(runs) == {(m, b) for m in ("none", "lookup_tree") for b in (1, 2)}
     for batch in (1, 2):
@@ -591,7 +816,8 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert base["speedup"] == 1.0 and base["steps_per_output_token"] == 1.0
         assert tree["speedup"] == pytest.approx(tree["tokens_per_s"] / base["tokens_per_s"])
         # Lossless greedy: identical tokens, hence an identical score.
-        assert tree["exact_match"] == 1.0
+        assert tree["exact_match"] == 1.0 and tree["dtype"] == "float32"
+        assert (tree["divergence"]["identical"], tree["divergence"]["points"]) == (3, [])
         assert tree["mean_loglik_per_token"] == pytest.approx(base["mean_loglik_per_token"], abs=1e-4)
         assert math.isfinite(base["mean_loglik_per_token"]) and base["mean_loglik_per_token"] < 0
         assert tree["counters"]["accepted"] == tree["counters"]["tree_accepted"] > 0
@@ -613,6 +839,7 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert float(row["steps/token"]) == pytest.approx(run["steps_per_output_token"], abs=0.005)
         assert float(row["loglik/token"]) == pytest.approx(run["mean_loglik_per_token"], abs=5e-4)
         assert row["exact match"] == "1.00" and row["pass@1"] == "–" and row["dsbd width"] == "–"
+        assert row["divergence"] == "identical 3/3"
     for base, tree in (table[0:2], table[2:4]):
         assert base["speedup"] == "1.00" and base["steps/token"] == "1.00" and base["accepted/step"] == "0.00"
         assert base["best setting"] == "-" and tree["best setting"] != "-"
