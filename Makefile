@@ -1,11 +1,12 @@
 # The two commands a newcomer needs (see README.md):
 #   make test    set up .venv (CPU build of vLLM), lint, and run the test suite
+#   (make test-fast: the tests that start no vLLM engine, in about two minutes)
 #   make bench   set up .venv and run the main job: the methods compared on a real small model
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: test lint bench
+.PHONY: test test-fast lint bench
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +24,20 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Every CI log shows where the time went (the 30 slowest set-ups and tests).
+PYTEST := $(PY) -m pytest -q --durations=30
+#: the tiers (tests/conftest.py): the fast one starts no engine, server or worker
+FAST := -m "not engine and not server and not slow"
+
 test: lint
-	$(PY) -m pytest tests --ignore=tests/kernels -q
+	$(PYTEST) tests --ignore=tests/kernels
 	# Triton kernels run under the interpreter, in their own process so the
 	# setting never reaches the vLLM engines of the other tests.
-	TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels -q
+	TRITON_INTERPRET=1 $(PYTEST) tests/kernels
+
+test-fast: $(VENV)/.installed
+	$(PYTEST) tests --ignore=tests/kernels $(FAST)
+	TRITON_INTERPRET=1 $(PYTEST) tests/kernels $(FAST)
 
 # vLLM's `suffix` method needs arctic-inference, on PyPI only as an sdist with
 # a C++ extension: built against the venv's torch (no isolation, which would

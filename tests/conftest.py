@@ -1,7 +1,10 @@
-"""Shared fixtures: one tiny model per session and engines shared by tests.
+"""Shared fixtures: one tiny model per session, engines shared by the whole
+session (``engines.get(...)``), one greedy reference, and the test tiers.
 
-Engine start-up costs tens of seconds on a CPU, so each engine configuration
-is started once per test module (``engines.get(...)``) and reused by its tests.
+Tiers (markers, ``make test-fast`` runs the first): unmarked tests need no
+vLLM engine; ``engine`` tests start in-process engines (marked here, from the
+fixtures they use, or by hand); ``server`` tests start servers or worker
+processes; ``slow`` tests take minutes on their own.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
 import random
+import time
+from collections import OrderedDict
 
 import pytest
 from tiny_model import VOCAB_WORDS, build_tiny_model, prompt_text
@@ -91,51 +96,124 @@ def tree_path(nodes: list[tuple[int, int]], node: int) -> list[int]:
     return tokens
 
 
-class Engines:
-    """Lazily started ``LLM`` objects keyed by their speculative config."""
+#: most engines alive at once across the session; past it the least recently
+#: used one is stopped. Each holds about a gigabyte; with the servers' processes
+#: the session must fit in 24 GiB.
+MAX_ENGINES = 6
 
-    #: every pool of the session, for :func:`stop_engines_after_module`
-    started: ClassVar[list[Engines]] = []
+MAX_TOKENS = 48
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def read_stats(worker) -> dict[str, int]:
+    """The runner's tree counters, read inside the worker (``collective_rpc``)."""
+    return dict(worker.model_runner.tree_stats)
+
+
+def runner_stats(llm) -> dict[str, int]:
+    return llm.collective_rpc(read_stats)[0]
+
+
+class Engines:
+    """``LLM`` objects of one model shared by the whole session, keyed by their settings.
+
+    Engine start-up costs seconds even on the tiny model, so a configuration is
+    started once and reused by every module that asks for it; tests read
+    counters as differences, never as totals. Engines run eagerly unless a test
+    asks for ``enforce_eager=False`` (vLLM's CPU ``torch.compile`` takes longer
+    than most tests); compilation is checked where it is the point.
+    """
+
+    #: every live engine of the session, least recently used first
+    alive: ClassVar[OrderedDict[tuple[str, str], object]] = OrderedDict()
+    #: seconds each start-up took, in order (the session's summary prints them)
+    starts: ClassVar[list[tuple[str, float]]] = []
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self._engines: dict[str, object] = {}
-        Engines.started.append(self)
+
+    def _key(self, speculative_config: dict | None, kwargs: dict) -> tuple[str, str]:
+        return self.model, json.dumps([speculative_config, kwargs], sort_keys=True)
 
     def get(self, speculative_config: dict | None = None, **kwargs: object):
         from vllm import LLM
 
-        key = json.dumps([speculative_config, kwargs], sort_keys=True)
-        if key not in self._engines:
-            settings = {
-                "dtype": "float32",
-                "max_model_len": MAX_MODEL_LEN,
-                "seed": 0,
-                "kv_cache_memory_bytes": KV_CACHE_BYTES,
-                "disable_log_stats": False,
-                **kwargs,
-            }
-            self._engines[key] = LLM(model=self.model, speculative_config=speculative_config, **settings)
-        return self._engines[key]
+        key = self._key(speculative_config, kwargs)
+        if key in Engines.alive:
+            Engines.alive.move_to_end(key)
+            return Engines.alive[key]
+        while len(Engines.alive) >= MAX_ENGINES:
+            _, oldest = Engines.alive.popitem(last=False)
+            oldest.llm_engine.engine_core.shutdown()
+        settings = {
+            "dtype": "float32",
+            "max_model_len": MAX_MODEL_LEN,
+            "seed": 0,
+            "kv_cache_memory_bytes": KV_CACHE_BYTES,
+            "disable_log_stats": False,
+            "enforce_eager": True,
+            **kwargs,
+        }
+        started = time.perf_counter()
+        Engines.alive[key] = LLM(model=self.model, speculative_config=speculative_config, **settings)
+        Engines.starts.append((key[1], time.perf_counter() - started))
+        return Engines.alive[key]
 
-    def close(self) -> None:
-        for llm in self._engines.values():
+    def stop(self, speculative_config: dict | None = None, **kwargs: object) -> None:
+        """Stop one engine now (one of several processes, or one whose state a test spent)."""
+        llm = Engines.alive.pop(self._key(speculative_config, kwargs), None)
+        if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        self._engines.clear()
+
+    @classmethod
+    def close_all(cls) -> None:
+        while cls.alive:
+            cls.alive.popitem()[1].llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture(scope="session")
 def engines(tiny_model: str):
-    pool = Engines(tiny_model)
-    yield pool
-    pool.close()
+    yield Engines(tiny_model)
+    Engines.close_all()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stop_engines_after_module():
-    """Stop a module's engines when it ends: each holds about a gigabyte, and
-    a whole session's worth of idle engines next to the server tests'
-    servers would not fit in the machine's memory."""
-    yield
-    for pool in Engines.started:
-        pool.close()
+@pytest.fixture(scope="module")
+def no_idle_engines():
+    """Stops every engine before a module that starts servers of its own: the
+    servers' processes and a session's worth of idle engines would not fit in
+    the machine's memory."""
+    Engines.close_all()
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[str]:
+    return make_prompts(10)
+
+
+@pytest.fixture(scope="session")
+def reference(engines, prompts) -> list[list[int]]:
+    """vLLM without speculation, greedy, on ``prompts``: the session's one reference."""
+    return token_ids(engines.get(None).generate(prompts, greedy(), use_tqdm=False))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that starts an engine through the shared pool is marked ``engine``."""
+    for item in items:
+        if {"engines", "reference", "json_engines"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many in-process engines the session started, and what they cost."""
+    if Engines.starts:
+        total = sum(seconds for _, seconds in Engines.starts)
+        terminalreporter.write_line(f"engines started in-process: {len(Engines.starts)}, {total:.0f} s in all")

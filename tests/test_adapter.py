@@ -8,11 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import make_prompts
+from specs import LOOKUP
 
 from vllm_specbeam.adapter import engine_config, patches, plugin, worker
 from vllm_specbeam.core.config import SpecbeamConfigError
-
-LOOKUP = {"method": "lookup_tree", "num_speculative_tokens": 3, "max_nodes": 8}
 
 
 def create_config(model: str, spec: dict | None, **kwargs):

@@ -15,10 +15,9 @@ for exact output too.
 from __future__ import annotations
 
 import pytest
-from conftest import make_prompts, rpc_after_finished
-from test_lookup_tree_engine import greedy, runner_stats, token_ids
+from conftest import greedy, make_prompts, rpc_after_finished, runner_stats, token_ids
+from specs import ADED_AUTO
 
-ADED = {"method": "aded", "num_speculative_tokens": 3, "auto_max_nodes": 12, "iterations": 40}
 TIGHT = {
     "kv_cache_memory_bytes": 6 * 128 * 1024,
     "max_model_len": 512,
@@ -42,7 +41,7 @@ def _live_state(worker) -> dict[str, int]:
 @pytest.fixture(scope="module", params=["aded", "dsbd"])
 def tight(request, engines, tiny_draft):
     if request.param == "aded":
-        return engines.get(ADED, **TIGHT)
+        return engines.get(ADED_AUTO, **TIGHT)
     # The same six blocks: each holds the draft's K/V too (same shape as the target's), in vLLM's cache.
     return engines.get(
         {"method": "dsbd", "model": tiny_draft, "num_speculative_tokens": 3, "max_nodes": 12, "max_width": 1},

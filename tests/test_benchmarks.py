@@ -787,6 +787,7 @@ def tiny_benchmark(tiny_model, tmp_path, *options: str) -> tuple[dict, Path]:
     return result, out
 
 
+@pytest.mark.server  # compare.py's worker processes
 def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     """none + lookup_tree on the tiny model: two engines, each started twice (rounds), greedy,
     batch sizes 1 and 2; the JSON, table and plot agree with each other."""
@@ -850,6 +851,7 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     assert (out / "speedup_vs_quality.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.server
 def test_interleaved_benchmark_takes_turns(tiny_model, tmp_path):
     """``--interleave``: both engines alive together, their timed runs one at a time in
     turns (lookup_tree, none, then the other way round), never overlapping; the

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_prompts
-from test_lookup_tree_engine import LOOKUP
+from specs import LOOKUP
 
 
 @pytest.mark.parametrize("speculative_config", [None, LOOKUP], ids=["no-speculation", "lookup_tree"])

@@ -418,7 +418,7 @@ def test_in_engine_sampled_beams_run_reproducibly_within_the_targets_support(
     top-p nucleus, which the draft, sampling its whole vocabulary, often is
     not), and a seeded request replays token for token once the drafter is reseeded.
     """
-    from test_lookup_tree_engine import runner_stats, token_ids
+    from conftest import runner_stats, token_ids
     from transformers import AutoModelForCausalLM
 
     llm = engines.get({**DSBD_WIDE, "model": near_draft})
@@ -462,7 +462,7 @@ def test_in_engine_sampled_beams_run_reproducibly_within_the_targets_support(
 def test_in_engine_sampled_width_one_keeps_the_targets_distribution(engines, near_draft: str) -> None:
     """With one beam, beam sampling is ancestral sampling: the exact end-to-end test of
     ``test_sampling_engine`` applies (per-request ``max_width: 1`` on the wide engine)."""
-    from test_lookup_tree_engine import runner_stats
+    from conftest import runner_stats
     from test_sampling_engine import ALPHA, prefix_homogeneity, sample_sequences
 
     llm = engines.get({**DSBD_WIDE, "model": near_draft})

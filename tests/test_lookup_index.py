@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_prompts, rpc_after_finished
-from test_lookup_tree_engine import _read_stats, greedy, runner_stats, token_ids
+from conftest import greedy, make_prompts, read_stats, rpc_after_finished, runner_stats, token_ids
+from specs import LOOKUP, LOOKUP_GLOBAL
 
 from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
@@ -120,7 +120,16 @@ def test_the_global_scope_changes_defaults_the_user_did_not_set() -> None:
 
 
 # ---------------------------------------------------------------- inside vLLM
-LOOKUP = {"method": "lookup_tree", "num_speculative_tokens": 4, "max_nodes": 8}
+def _empty_index(worker) -> None:
+    """In the worker: forget every indexed request (what a newly started engine has)."""
+    drafter = worker.model_runner.tree_drafter
+    drafter.index = SuffixIndex(drafter.index.capacity)
+
+
+def empty_global_engine(engines, spec: dict):
+    llm = engines.get(spec)
+    llm.collective_rpc(_empty_index)
+    return llm
 
 
 def accepted_per_step(llm, prompt: str, params) -> tuple[list[int], float]:
@@ -146,13 +155,12 @@ def test_a_request_drafts_from_text_only_another_produced(engines) -> None:
 
     rates = {}
     for scope, share in [("global", True), ("global", False), ("request", True)]:
-        llm = engines.get({**LOOKUP, "scope": scope})
+        llm = empty_global_engine(engines, {**LOOKUP, "scope": "global"}) if scope == "global" else engines.get(LOOKUP)
         params = greedy(64)
         params.extra_args = {"share": share}
         assert token_ids(llm.generate([prompt], params))[0] == first
         out, rates[(scope, share)] = accepted_per_step(llm, second, greedy(40))
         assert out == reference
-        engines.close()  # the next engine starts with an empty index
     assert rates[("global", True)] >= 3.0  # of 4: B's drafts are A's output
     assert rates[("global", True)] > rates[("global", False)] + 1.0
     assert rates[("global", True)] > rates[("request", True)] + 1.0
@@ -166,11 +174,11 @@ def test_drafts_stop_at_max_tokens_and_the_index_memory_is_reported(engines) -> 
     from vllm_specbeam.adapter.runner import STATE_BYTES
 
     prompt = make_prompts(10)[3]
-    llm = engines.get({**LOOKUP, "num_speculative_tokens": 8, "max_nodes": 16, "scope": "global"})
+    llm = empty_global_engine(engines, LOOKUP_GLOBAL)
     assert runner_stats(llm)[STATE_BYTES] == 0
     first = token_ids(llm.generate([prompt], greedy(32)))[0]
     indexed = len(llm.get_tokenizer().encode(prompt)) + len(first)
-    assert rpc_after_finished(llm, _read_stats)[STATE_BYTES] == 8 * (indexed + 1)  # indexed once finished
+    assert rpc_after_finished(llm, read_stats)[STATE_BYTES] == 8 * (indexed + 1)  # indexed once finished
     before = runner_stats(llm)
     again = token_ids(llm.generate([prompt], greedy(12)))[0]
     after = runner_stats(llm)
@@ -178,7 +186,6 @@ def test_drafts_stop_at_max_tokens_and_the_index_memory_is_reported(engines) -> 
     assert again == first[:12]
     assert accepted >= 8  # the first run's output drafted the repeat
     assert accepted + trees <= 12 - 1  # the prefill's token, then every step's
-    engines.close()
 
 
 def test_drafts_stop_at_the_context_limit(engines) -> None:
@@ -193,9 +200,8 @@ def test_drafts_stop_at_the_context_limit(engines) -> None:
     prompt = prompt_text((words * 8)[: MAX_MODEL_LEN - left])
     reference = token_ids(engines.get(None).generate([prompt], greedy(200)))[0]
     assert len(reference) == left
-    llm = engines.get({**LOOKUP, "num_speculative_tokens": 8, "max_nodes": 16, "scope": "global"})
+    llm = empty_global_engine(engines, LOOKUP_GLOBAL)
     llm.generate([prompt], greedy(left // 2))  # indexes the first half of the answer
     before = runner_stats(llm)
     assert token_ids(llm.generate([prompt], greedy(200)))[0] == reference
     assert runner_stats(llm)["accepted"] - before["accepted"] >= left // 4
-    engines.close()

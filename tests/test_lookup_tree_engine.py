@@ -9,46 +9,16 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from conftest import make_prompts
-
-LOOKUP = {"method": "lookup_tree", "num_speculative_tokens": 4, "max_nodes": 12, "prompt_lookup_min": 1}
-MAX_TOKENS = 48
-
-
-def greedy(max_tokens: int = MAX_TOKENS, **kwargs):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
+from conftest import greedy, runner_stats, token_ids
+from specs import ADED, LOOKUP
 
 
 def metric(llm, name: str) -> float:
     return next(m.value for m in llm.get_metrics() if m.name == name)
 
 
-def runner_stats(llm) -> dict[str, int]:
-    return llm.collective_rpc(_read_stats)[0]
-
-
-def _read_stats(worker) -> dict[str, int]:
-    return dict(worker.model_runner.tree_stats)
-
-
 def _set_kv_move(worker, enabled: bool) -> None:
     worker.model_runner.move_accepted_kv = enabled
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[str]:
-    return make_prompts(10)
-
-
-@pytest.fixture(scope="module")
-def reference(engines, prompts) -> list[list[int]]:
-    return token_ids(engines.get(None).generate(prompts, greedy()))
 
 
 def test_batched_greedy_equals_no_speculation(engines, prompts, reference):
@@ -133,7 +103,7 @@ def test_per_request_override_and_bad_value(engines, prompts, reference):
 
 def test_aded_greedy_equals_no_speculation(engines, prompts, reference):
     """The draft-model-free tri-gram + MCTS drafter (no corpus) is exact too."""
-    llm = engines.get({"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40})
+    llm = engines.get(ADED)
     before = runner_stats(llm)
     assert token_ids(llm.generate(prompts, greedy())) == reference
     after = runner_stats(llm)

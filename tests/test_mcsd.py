@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, make_prompts
-from test_lookup_tree_engine import greedy, runner_stats, token_ids
-from test_sampling_engine import ALPHA, chi_square_homogeneity, sample_pairs
+from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, greedy, make_prompts, runner_stats, token_ids
+from specs import MCSD
+from test_sampling_engine import ALPHA, prefix_homogeneity, sample_sequences, target_samples
 
 from vllm_specbeam.core.config import TREE_OPTIONS, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest
@@ -199,23 +199,12 @@ def test_bad_k_config_names_the_fix(overrides: dict, message: str) -> None:
 
 
 # ---------------------------------------------------------------- inside vLLM
-MCSD = {"method": "mcsd", "num_speculative_tokens": 4, "max_nodes": 14, "k_config": [2, 2]}
 CHAIN = {"k_config": [1]}  # the target-initialised shape [1, 1, ...]: see the drafter's docstring
 
 
 def with_args(params, extra_args: dict | None):
     params.extra_args = extra_args
     return params
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[str]:
-    return make_prompts(6)
-
-
-@pytest.fixture(scope="module")
-def reference(engines, prompts) -> list[list[int]]:
-    return token_ids(engines.get(None).generate(prompts, greedy()))
 
 
 @pytest.fixture(scope="module")
@@ -246,15 +235,14 @@ def test_greedy_equals_no_speculation(mcsd, prompts, reference, extra_args) -> N
 
 
 @pytest.mark.parametrize("extra_args", [None, CHAIN], ids=["k22", "chain"])
-def test_sampling_matches_the_target(engines, mcsd, extra_args) -> None:
-    prompt = make_prompts(10)[6]
+def test_sampling_matches_the_target(engines, mcsd, prompts, extra_args) -> None:
+    """test_sampling_engine's per-position statistic against the session's samples without speculation."""
+    prompt = prompts[6]
     before = runner_stats(mcsd)
-    ours = sample_pairs(mcsd, prompt, 1.0, extra_args=extra_args)
+    ours = sample_sequences(mcsd, prompt, 1.0, extra_args=extra_args)
     after = runner_stats(mcsd)
     assert after["trees"] > before["trees"] and after["accepted"] > before["accepted"]
-    reference = sample_pairs(engines.get(None), prompt, 1.0)
-    assert len(reference) > 1
-    assert chi_square_homogeneity(ours, reference) > ALPHA
+    assert prefix_homogeneity(ours, target_samples(engines, prompt, 1.0)) > ALPHA
 
 
 @pytest.fixture(scope="module")
@@ -265,13 +253,14 @@ def stop_model_dir(tiny_model: str, near_draft: str, tmp_path_factory: pytest.Te
     folder = tmp_path_factory.mktemp("stop-model")
     prompt_file = folder / "train.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts(8, seed=7)))
-    engine_args = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_CACHE_BYTES}
+    engine_args = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_CACHE_BYTES, "enforce_eager": True}
     argv = ["mcsd", "train", "--target", tiny_model, "--draft", near_draft, "--prompts", str(prompt_file)]
     argv += ["--out", str(folder / "out"), "--max-tokens", "40", "--dtype", "float32"]
     assert cli.main([*argv, "--engine-args", json.dumps(engine_args)]) == 0
     return folder / "out"
 
 
+@pytest.mark.engine  # the training command collects with an engine
 def test_train_writes_a_small_stop_model_for_the_pair(
     stop_model_dir: Path, tiny_model: str, near_draft: str, tmp_path: Path
 ) -> None:
@@ -290,12 +279,26 @@ def test_train_writes_a_small_stop_model_for_the_pair(
     assert again["layers"] == record["layers"]
 
 
-def test_a_stop_model_engine_is_greedy_exact(engines, near_draft, stop_model_dir, prompts, reference) -> None:
+def depths_drafted(llm, prompts: list[str]) -> tuple[list[list[int]], int, int]:
+    """Greedy outputs of ``prompts``, and the trees verified and their depths summed meanwhile."""
+    before = runner_stats(llm)
+    outputs = token_ids(llm.generate(prompts, greedy()))
+    after = runner_stats(llm)
+    return outputs, after["trees"] - before["trees"], after["depth_sum"] - before["depth_sum"]
+
+
+def test_a_stop_model_engine_is_greedy_exact(engines, mcsd, near_draft, stop_model_dir, prompts, reference) -> None:
+    """The stop model decides the depth: the same requests draft other depths than under the
+    default rule (the engine without it), and the output stays greedy decoding."""
     llm = engines.get({**MCSD, "model": near_draft, "stop_model": str(stop_model_dir)})
-    assert token_ids(llm.generate(prompts, greedy())) == reference
-    assert runner_stats(llm)["trees"] > 0
+    outputs, trees, depth_sum = depths_drafted(llm, prompts)
+    assert outputs == reference and trees > 0
+    without = depths_drafted(mcsd, prompts)
+    assert without[0] == reference
+    assert (trees, depth_sum) != without[1:], "the stop model drafted the default rule's depths: was it used?"
 
 
+@pytest.mark.engine
 def test_a_stop_model_for_another_pair_is_refused(tiny_model, stop_model_dir, tmp_path) -> None:
     """Refused in the front end, before an engine starts: the draft has another shape."""
     from tiny_model import build_tiny_model

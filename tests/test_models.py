@@ -10,6 +10,7 @@ from __future__ import annotations
 import email.message
 import hashlib
 import io
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -269,4 +270,5 @@ def test_pinned_table_takes_one_data_file_per_wheel() -> None:
             assert wheel.member.startswith(wheel.package.replace("-", "_") + "/")
             assert wheel.member.endswith((".gguf", ".bin"))
             assert len({wheel.sha256, model.gguf_sha256}) == 2
-            assert all(len(s) == 64 and int(s, 16) >= 0 for s in (wheel.sha256, model.gguf_sha256))
+            # hashlib's hexdigest form, the one the route compares against
+            assert all(re.fullmatch("[0-9a-f]{64}", s) for s in (wheel.sha256, model.gguf_sha256))

@@ -28,11 +28,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Engines, make_prompts
-from test_lookup_tree_engine import LOOKUP, runner_stats
+from conftest import Engines, make_prompts, runner_stats
+from specs import ADED, LOOKUP
 from tiny_model import VOCAB_WORDS, build_tiny_model
 
-ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40}
 JSON_TOKENS = ["{", "}", '"', ":", ",", "a", "b", *"0123456789"]
 SCHEMA = {
     "type": "object",

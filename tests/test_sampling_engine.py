@@ -26,15 +26,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_prompts
-from test_lookup_tree_engine import LOOKUP, runner_stats, token_ids
+from conftest import runner_stats, token_ids
+from specs import ADED, ADED_AUTO, LOOKUP
 
 # At import, before any engine starts: the worker processes inherit sys.path and
 # import planted_bugs to run the planted bug that collective_rpc sends them by reference.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from planted_bugs import plant_residual_bug
 
-ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40, "num_paths": 8}
 NUM_SAMPLES = 2000
 MAX_TOKENS = 6
 ALPHA = 1e-3
@@ -124,34 +123,27 @@ def sample_sequences(
     return [tuple(out) for out in token_ids(llm.generate([prompt] * num_samples, params, use_tqdm=False))]
 
 
-def sample_pairs(llm, prompt: str, temperature: float, top_p: float = 1.0, extra_args: dict | None = None) -> Counter:
-    """The joint of the 2nd and 3rd tokens of 600 seeded requests (the other modules' weaker test)."""
-    seqs = sample_sequences(llm, prompt, temperature, top_p, extra_args, num_samples=600, max_tokens=3)
-    return Counter((out[1], out[2]) for out in seqs)
+#: samples without speculation, per (prompt, temperature, top_p): drawn once per session for every
+#: module that compares against them (seeded requests: the same draws whichever module asks first)
+_TARGET_SAMPLES: dict[tuple[str, float, float], list[tuple[int, ...]]] = {}
+
+
+def target_samples(engines, prompt: str, temperature: float, top_p: float = 1.0) -> list[tuple[int, ...]]:
+    """:func:`sample_sequences` on the engine without speculation, ``NUM_SAMPLES`` of ``MAX_TOKENS`` tokens."""
+    key = (prompt, temperature, top_p)
+    if key not in _TARGET_SAMPLES:
+        drawn = sample_sequences(engines.get(None), prompt, temperature, top_p)
+        assert len(set(drawn)) > 1, "the target is deterministic: the test would prove nothing"
+        _TARGET_SAMPLES[key] = drawn
+    return _TARGET_SAMPLES[key]
 
 
 @pytest.fixture(scope="module")
-def prompt() -> str:
-    return make_prompts(10)[6]  # 140 words with repeated phrases: lookup and tri-grams both find drafts
-
-
-@pytest.fixture(scope="module")
-def reference(engines, prompt):
-    """Samples without speculation, per (temperature, top_p), drawn once for the module."""
-    samples: dict[tuple[float, float], list[tuple[int, ...]]] = {}
-
-    def get(temperature: float, top_p: float) -> list[tuple[int, ...]]:
-        if (temperature, top_p) not in samples:
-            drawn = sample_sequences(engines.get(None), prompt, temperature, top_p)
-            assert len(set(drawn)) > 1, "the target is deterministic: the test would prove nothing"
-            samples[temperature, top_p] = drawn
-        return samples[temperature, top_p]
-
-    return get
+def prompt(prompts) -> str:
+    return prompts[6]  # 140 words with repeated phrases: lookup and tri-grams both find drafts
 
 
 #: the per-step budget cuts trees by their shapes and the requests' histories only: sampling stays the target's
-ADED_AUTO = {**ADED, "max_nodes": "auto", "auto_max_nodes": 12}
 SPEC_CASES = [
     *[
         pytest.param(spec, *case, id=f"{name}-{case}")
@@ -163,7 +155,7 @@ SPEC_CASES = [
 
 
 @pytest.mark.parametrize(("spec", "temperature", "top_p"), SPEC_CASES)
-def test_tree_sampling_matches_target_distribution(engines, prompt, reference, spec, temperature, top_p):
+def test_tree_sampling_matches_target_distribution(engines, prompt, spec, temperature, top_p):
     llm = engines.get(spec)
     before = runner_stats(llm)
     ours = sample_sequences(llm, prompt, temperature, top_p)
@@ -173,10 +165,10 @@ def test_tree_sampling_matches_target_distribution(engines, prompt, reference, s
         assert after["budget_asked"] > before["budget_asked"]
     if spec is LOOKUP:  # few matches often make a single chain: block verification has run too
         assert after["block_verified"] > 0
-    assert prefix_homogeneity(ours, reference(temperature, top_p)) > ALPHA
+    assert prefix_homogeneity(ours, target_samples(engines, prompt, temperature, top_p)) > ALPHA
 
 
-def test_planted_residual_bug_is_caught(engines, prompt, reference):
+def test_planted_residual_bug_is_caught(engines, prompt):
     """The check has teeth end to end: the README's planted bug fails it by a wide margin
     (p about 1e-24 where the old statistic, tokens 2-3 of 600 requests, gave 2e-4)."""
     llm = engines.get(LOOKUP)
@@ -185,17 +177,22 @@ def test_planted_residual_bug_is_caught(engines, prompt, reference):
         buggy = sample_sequences(llm, prompt, 1.0)
     finally:
         llm.collective_rpc(plant_residual_bug, args=(False,))
-    assert prefix_homogeneity(buggy, reference(1.0, 1.0)) < ALPHA**2
+    assert prefix_homogeneity(buggy, target_samples(engines, prompt, 1.0)) < ALPHA**2
 
 
-def test_seed_makes_a_sampled_request_reproducible(engines, prompt):
+def test_seed_makes_a_sampled_request_reproducible(engines, prompts, prompt):
+    """The same seed gives the same tokens, alone or in a batch; another seed gives other tokens."""
     from vllm import SamplingParams
 
     llm = engines.get(LOOKUP)
     params = SamplingParams(temperature=1.0, seed=1234, max_tokens=32, ignore_eos=True)
     first = token_ids(llm.generate([prompt], params, use_tqdm=False))
-    batched = token_ids(llm.generate(make_prompts(4) + [prompt], params, use_tqdm=False))[-1:]
+    batched = token_ids(llm.generate(prompts[:4] + [prompt], params, use_tqdm=False))[-1:]
     assert first == token_ids(llm.generate([prompt], params, use_tqdm=False)) == batched
+    others = [SamplingParams(temperature=1.0, seed=seed, max_tokens=32, ignore_eos=True) for seed in (1, 2, 3)]
+    other = token_ids(llm.generate([prompt] * 3, others, use_tqdm=False))
+    # 32 tokens at temperature 1: three other seeds all drawing the same 32 would mean the seed is ignored
+    assert all(o != first[0] for o in other) and len({tuple(o) for o in other}) == 3
 
 
 # ---------------------------------------------------------------- the statistics themselves

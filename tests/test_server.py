@@ -1,7 +1,7 @@
 """The OpenAI-compatible server started with ``vllm-specbeam serve``.
 
-Per tree method (``lookup_tree`` in request and global scope, ``aded``, and
-``mcsd`` with a draft inside the worker), on a KV cache small enough to
+Per tree method (``lookup_tree`` in the global scope with the per-step budget,
+``aded``, and ``mcsd`` with a draft inside the worker), on a KV cache small enough to
 preempt: ten greedy completions sent concurrently, then one at a time (the
 global scope drafting from the first wave), equal ``LLM(...)`` without
 speculation; then the load test of benchmarks/load_test.py: 200 mixed
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, make_prompts
-from test_lookup_tree_engine import LOOKUP, MAX_TOKENS, greedy
-from test_sampling_engine import ADED
+from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, greedy, make_prompts
+from specs import ADED, MCSD
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import load_test
@@ -37,19 +36,23 @@ STARTUP_SECONDS = 300
 #: requests hold at once, so vLLM preempts some of them. The tiny model's K/V
 #: take 1 KiB a token, and as much again for a draft in the same cache.
 SMALL_KV_TOKENS = 2048
-MCSD = {"method": "mcsd", "num_speculative_tokens": 3, "max_nodes": 12, "k_config": [2, 2]}
 #: per-request options some of the load test's requests send (valid for every method above)
 XARGS = {"num_speculative_tokens": 2, "max_nodes": 6}
 LOAD_REQUESTS = 200
 FAULTS = 8
 
 
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("no_idle_engines")]
+
+
 @contextmanager
-def running_server(model: str, speculative_config: dict | None, log_path: Path, *args: str) -> Iterator[str]:
+def running_server(
+    model: str, speculative_config: dict | None, log_path: Path, *args: str, compiled: bool = False
+) -> Iterator[str]:
     """A test server (float32, the tests' context length and KV cache, unless ``args``
-    say otherwise); yields its URL."""
+    say otherwise; eager unless ``compiled``); yields its URL."""
     common = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
-    common += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+    common += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *([] if compiled else ["--enforce-eager"])]
     with load_test.running_server(
         model, speculative_config, log_path, *common, *args, startup_seconds=STARTUP_SECONDS
     ) as server:
@@ -58,8 +61,9 @@ def running_server(model: str, speculative_config: dict | None, log_path: Path, 
 
 @pytest.fixture(
     scope="module",
-    # the global scope at its defaults: the per-step budget ("max_nodes": "auto") under load
-    params=[LOOKUP, {"method": "lookup_tree", "prompt_lookup_min": 1, "scope": "global"}, ADED, MCSD],
+    # The global scope at its defaults: the per-step budget ("max_nodes": "auto") under load, and
+    # the request scope's drafter plus the index (the request scope's server was merged into it).
+    params=[{"method": "lookup_tree", "prompt_lookup_min": 1, "scope": "global"}, ADED, MCSD],
     ids=lambda spec: "-".join([spec["method"], *([spec["scope"]] if "scope" in spec else [])]),
 )
 def spec(request, near_draft) -> dict:
@@ -69,7 +73,9 @@ def spec(request, near_draft) -> dict:
 @pytest.fixture(scope="module")
 def server(spec, tiny_model, tmp_path_factory):
     small_kv = ("--kv-cache-memory-bytes", str(SMALL_KV_TOKENS * 1024 * (2 if "model" in spec else 1)))
-    with running_server(tiny_model, spec, tmp_path_factory.mktemp("server") / "server.log", *small_kv) as url:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    # one server runs vLLM's compiled graph, as users do; the others start eagerly
+    with running_server(tiny_model, spec, log, *small_kv, compiled=spec.get("scope") == "global") as url:
         yield url
 
 

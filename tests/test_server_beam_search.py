@@ -16,6 +16,8 @@ import requests
 from conftest import make_prompts
 from test_server import assert_greedy_equals_no_speculation, running_server
 
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("no_idle_engines")]
+
 #: what the speculative beam search needs (prefix caching); chunked prefill stays on, vLLM's default
 BEAM_ENGINE = ("--block-size", "32", "--enable-prefix-caching")
 

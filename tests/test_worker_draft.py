@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import KV_CACHE_BYTES, make_prompts, tree_path
+from conftest import KV_CACHE_BYTES, runner_stats, tree_path
+from specs import LOOKUP, MCSD
 
 #: float32, the CPU attention kernel against transformers' SDPA (docs/draft-runtime.md Q2: up to 2e-4)
 ATOL = 5e-4
@@ -36,6 +37,8 @@ def wide_draft(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str
         draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
         draft.lm_head.weight.copy_(target.lm_head.weight)
     draft.save_pretrained(path, safe_serialization=True)
+    # the premise of the tests below: another K/V shape and layer count than the target's
+    assert _page_bytes(str(path)) != _page_bytes(tiny_model)
     return str(path)
 
 
@@ -129,15 +132,21 @@ def _page_bytes(model: str, dtype_bytes: int = 4) -> int:
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * dtype_bytes * 128
 
 
-def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wide_draft: str) -> None:
+#: compiled (``enforce_eager=False``): the draft's compilation at warm-up is checked here
+COMPILED = {"enforce_eager": False}
+
+
+def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wide_draft: str, prompts) -> None:
     from vllm import SamplingParams
 
     spec = {"method": "dsbd", "model": wide_draft, "num_speculative_tokens": 3, "max_nodes": 8, "max_width": 2}
-    llm = engines.get({**spec, "prune_ratio": 0.0})  # unpruned: two branches at every depth
+    spec = {**spec, "prune_ratio": 0.0}  # unpruned: two branches at every depth
+    llm = engines.get(spec, **COMPILED)
     # Compiled at start-up (the worker's warm-up), not in the first request's step.
     assert llm.collective_rpc(_draft_compiled) == [True]
     llm.collective_rpc(_record)
-    prompts = [make_prompts(10)[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
+    before = runner_stats(llm)
+    prompts = [prompts[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
     chain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, extra_args={"max_width": 1})
@@ -148,7 +157,8 @@ def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wid
     llm.generate([prompts[2] + " and then some more words"], greedy)
     assert _counter(llm, "vllm:prefix_cache_hits") - hits >= 128
     result = llm.collective_rpc(_check, args=(wide_draft,))[0]
-    stats, counts = result["stats"], result["counts"]
+    stats = {name: result["stats"][name] - before[name] for name in before if isinstance(before[name], int)}
+    counts = result["counts"]
     assert stats["accepted"] > 0 and stats["nodes"] > stats["accepted"]  # acceptances and rejections
     # Accepted nodes' draft K/V were kept, some moved to their committed slots (the sync rows above prove them)
     assert stats["draft_kv_kept"] > 0 and stats["draft_kv_moves"] > 0
@@ -158,11 +168,10 @@ def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wid
 
     # One KV group for both models: a block holds both models' K/V of its 128 tokens.
     with_draft = llm.collective_rpc(_num_blocks)[0]
-    engines.close()
-    without = engines.get({"method": "lookup_tree", "num_speculative_tokens": 3, "max_nodes": 8})
+    engines.stop(spec, **COMPILED)  # this test's own engine, logging every draft call
+    without = engines.get(LOOKUP)  # a method without a draft model: the target's K/V alone
     assert without.collective_rpc(_num_blocks)[0] == KV_CACHE_BYTES // _page_bytes(tiny_model)
     assert with_draft == KV_CACHE_BYTES // (_page_bytes(tiny_model) + _page_bytes(wide_draft))
-    engines.close()
 
 
 def _search_pool(worker) -> dict:
@@ -187,7 +196,9 @@ def _sync_rows(worker) -> int:
     return worker.model_runner.draft_runtime.sync_rows
 
 
-def test_beam_search_drafts_in_the_worker_with_exact_logits_and_frees_its_blocks(engines, wide_draft: str) -> None:
+def test_beam_search_drafts_in_the_worker_with_exact_logits_and_frees_its_blocks(
+    engines, wide_draft: str, prompts
+) -> None:
     """The speculative beam search drafts on the engine's own draft in the worker, its K/V in
     blocks of its own: every row (prefixes, beams' tails fed as one tree, drafted depths, over
     rounds) equals transformers on the plain sequence, and the blocks go when the search ends.
@@ -205,7 +216,7 @@ def test_beam_search_drafts_in_the_worker_with_exact_logits_and_frees_its_blocks
     assert isinstance(search.forests, WorkerForests)  # no draft in this process
     llm.collective_rpc(_record, args=("search_draft_runtime",))
     llm.collective_rpc(_count_sync_rows)
-    prompts = [make_prompts(10)[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
+    prompts = [prompts[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
     params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
     ours = search.run(prompts, params)
     # fed before: every row the target computed, trees included (scored_rows counts both)
@@ -226,24 +237,20 @@ def test_beam_search_drafts_in_the_worker_with_exact_logits_and_frees_its_blocks
     result = llm.collective_rpc(_check, args=(wide_draft,))[0]
     assert result["counts"]["sync"] > 0 and result["counts"]["extend"] > 0
     assert result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL, result["worst"]
-    engines.close()
+    engines.stop(spec, enable_prefix_caching=True)  # this test's own engine, logging every draft call
 
 
-def test_draft_shape_differs_from_the_targets(tiny_model: str, wide_draft: str) -> None:
-    """The premise of the test above: another K/V shape and layer count."""
-    assert _page_bytes(wide_draft) != _page_bytes(tiny_model) and Path(wide_draft).is_dir()
-
-
-def test_bfloat16_draft_of_a_float32_target_is_greedy_exact(engines, tiny_model: str, wide_draft: str) -> None:
+def test_bfloat16_draft_of_a_float32_target_is_greedy_exact(
+    engines, tiny_model: str, wide_draft: str, prompts, reference
+) -> None:
     """``draft_dtype``: the draft's layers keep their K/V in their own dtype within the target's blocks."""
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    prompts = make_prompts(6)
-    reference = [o.outputs[0].token_ids for o in engines.get(None).generate(prompts, greedy)]
+    prompts, reference = prompts[:6], [r[:32] for r in reference[:6]]  # greedy: a prefix of the longer reference
     spec = {"method": "dsbd", "model": wide_draft, "num_speculative_tokens": 3, "max_nodes": 3, "max_width": 1}
     llm = engines.get({**spec, "draft_dtype": "bfloat16"})
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)] == reference
     assert llm.collective_rpc(_draft_dtype)[0] == "torch.bfloat16"
     assert llm.collective_rpc(_num_blocks)[0] == KV_CACHE_BYTES // (
         _page_bytes(tiny_model) + _page_bytes(wide_draft, dtype_bytes=2)
@@ -273,7 +280,7 @@ def _check_vocabulary(worker, draft: str, kept: list[int]) -> dict:
 
 
 def test_draft_vocabulary_scores_its_tokens_and_each_requests_own(
-    engines, tiny_model: str, wide_draft: str, tmp_path: Path
+    engines, tiny_model: str, wide_draft: str, tmp_path: Path, prompts, reference
 ) -> None:
     """``draft_vocab``: the draft's logits are the full head's on the vocabulary plus the request's
     context tokens and ``-inf`` elsewhere; verification is unchanged, so greedy output stays exact."""
@@ -288,13 +295,12 @@ def test_draft_vocabulary_scores_its_tokens_and_each_requests_own(
     )
     kept = vocab.load(path).ids.tolist()  # w0..w29 and the 3 special tokens, of 103
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    prompts = [make_prompts(10)[i] for i in (1, 4, 6)]
-    reference = [o.outputs[0].token_ids for o in engines.get(None).generate(prompts, greedy)]
-    spec = {"method": "mcsd", "model": wide_draft, "num_speculative_tokens": 4, "k_config": [2, 2], "max_nodes": 14}
-    llm = engines.get({**spec, "draft_vocab": str(path)})
+    prompts, reference = [prompts[i] for i in (1, 4, 6)], [reference[i][:24] for i in (1, 4, 6)]
+    spec = {**MCSD, "model": wide_draft, "draft_vocab": str(path)}
+    llm = engines.get(spec)
     llm.collective_rpc(_record)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)] == reference
     result = llm.collective_rpc(_check_vocabulary, args=(wide_draft, kept))[0]
     assert result["rows"] > 30 and result["own_columns"] > 20  # the prompts hold many words past w29
     assert result["worst"] < ATOL, result
-    engines.close()
+    engines.stop(spec)  # this test's own engine, logging every draft call

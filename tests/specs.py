@@ -1,0 +1,17 @@
+"""The speculative configs the tests share.
+
+Each distinct config is one engine for the whole session (``conftest.Engines``),
+so modules that test the same method ask for the same dict rather than a
+near-copy of it.
+"""
+
+from __future__ import annotations
+
+LOOKUP = {"method": "lookup_tree", "num_speculative_tokens": 4, "max_nodes": 12, "prompt_lookup_min": 1}
+#: the per-step budget (``"max_nodes": "auto"``, the default)
+LOOKUP_AUTO = {"method": "lookup_tree", "prompt_lookup_min": 1}
+LOOKUP_GLOBAL = {"method": "lookup_tree", "num_speculative_tokens": 8, "max_nodes": 16, "scope": "global"}
+ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40, "num_paths": 8}
+ADED_AUTO = {**ADED, "max_nodes": "auto", "auto_max_nodes": 12}
+#: draft-model methods: add ``"model"``
+MCSD = {"method": "mcsd", "num_speculative_tokens": 4, "max_nodes": 14, "k_config": [2, 2]}
