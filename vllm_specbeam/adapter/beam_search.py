@@ -1,6 +1,6 @@
 """Speculative beam search: vLLM's beam search, several tokens per target pass.
 
-vLLM 0.32's ``LLM.beam_search`` (entrypoints/generate/beam_search/offline.py)
+vLLM's ``LLM.beam_search`` (0.32.0 and 0.33.0 entrypoints/generate/beam_search/offline.py)
 advances every beam one token per engine step: each beam is submitted as a
 one-token request with ``logprobs=2W``, the beams' candidates are pooled per
 prompt and the ``W`` best by score survive. :func:`beam_search` returns the
@@ -34,7 +34,8 @@ but a round advances up to ``num_speculative_tokens + 1`` tokens:
 So the output is vLLM's beam search's output, computed with fewer target
 passes; only the tree rows' floating-point rounding differs from a plain
 prefill, which can flip exact ties. Deterministic beam search only
-(``temperature=0``), as the comparison with ``LLM.beam_search`` needs.
+(``temperature=0``), as the comparison with ``LLM.beam_search`` needs; a
+search with vLLM 0.33's ``allowed_token_ids`` runs ``LLM.beam_search`` itself.
 :class:`Selection` holds the two ways vLLM selects (offline and server);
 :mod:`vllm_specbeam.adapter.beam_search_server` runs these rounds for the OpenAI
 server's ``use_beam_search``.
@@ -49,19 +50,22 @@ draft; ``num_speculative_tokens`` the draft depth)::
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from vllm_specbeam.adapter import tree_prompt
+from vllm_specbeam.adapter import tree_prompt, vllm_versions
 from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.dsbd.drafter import ForestRequest
+
+logger = logging.getLogger(__name__)
 
 _SEARCH_IDS = itertools.count()
 
@@ -97,43 +101,50 @@ class BeamSearchStats:
 class Selection:
     """How a vLLM beam-search step picks its survivors and completes EOS beams.
 
-    vLLM 0.32.0's offline search (entrypoints/generate/beam_search/offline.py)
-    and its server's (online.py) differ in details that can change the
-    returned beams, so each is replayed as written: offline keeps the ``W``
-    best candidates by the length-penalised score in a stable sort and keeps
-    EOS in completed beams; online takes the ``W`` best cumulative logprobs
-    through ``numpy.argpartition`` and drops EOS from completed beams unless
-    ``include_stop_str_in_output``.
+    vLLM's offline search (entrypoints/generate/beam_search/offline.py) and
+    its server's (online.py) differ in details that can change the returned
+    beams, so each is replayed as written (the same in 0.32.0 and 0.33.0):
+    offline keeps the ``W`` best candidates by the length-penalised score in a
+    stable sort and keeps EOS in completed beams; online takes the ``W`` best
+    cumulative logprobs through ``numpy.argpartition`` and drops EOS from
+    completed beams unless ``include_stop_str_in_output``. The score and the
+    EOS set are the installed release's (:mod:`~vllm_specbeam.adapter.vllm_versions`).
     """
 
     width: int
-    #: the EOS token that completes a beam (``None`` with ``ignore_eos``)
-    eos: int | None
+    #: the tokens that complete a beam (none with ``ignore_eos``)
+    eos: frozenset[int]
     sort_key: Callable[[Any], float]
     online: bool = False
     include_eos: bool = True
+    #: the EOS the draft's own beam search stops at: the tokenizer's (``None`` with ``ignore_eos``); a
+    #: beam the draft continues past another EOS only costs draft nodes, the verification uses ``eos``
+    draft_eos: int | None = None
 
     @classmethod
-    def offline(cls, params: Any, eos_token_id: int | None) -> Selection:
-        from vllm.entrypoints.generate.beam_search.utils import create_sort_beams_key_function
-
-        return cls(
-            params.beam_width,
-            None if params.ignore_eos else eos_token_id,
-            create_sort_beams_key_function(eos_token_id, params.length_penalty),
-        )
+    def offline(cls, params: Any, eos_token_id: int | None, generation_config: Mapping[str, Any]) -> Selection:
+        """``LLM.beam_search``'s rules; ``generation_config``: the engine's
+        ``input_processor.generation_config_fields``."""
+        return cls(params.beam_width, **cls._rules(params, eos_token_id, generation_config))
 
     @classmethod
-    def server(cls, params: Any, eos_token_id: int | None) -> Selection:
-        from vllm.entrypoints.generate.beam_search.utils import create_sort_beams_key_function
-
+    def server(cls, params: Any, eos_token_id: int | None, generation_config: Mapping[str, Any]) -> Selection:
+        """The server's (``BeamSearchOnlineMixin.beam_search``) rules."""
         return cls(
             params.beam_width,
-            None if params.ignore_eos else eos_token_id,
-            create_sort_beams_key_function(eos_token_id, params.length_penalty),
+            **cls._rules(params, eos_token_id, generation_config),
             online=True,
             include_eos=params.include_stop_str_in_output,
         )
+
+    @staticmethod
+    def _rules(params: Any, eos_token_id: int | None, generation_config: Mapping[str, Any]) -> dict[str, Any]:
+        ends = not params.ignore_eos
+        return {
+            "eos": vllm_versions.beam_eos_token_ids(generation_config, eos_token_id) if ends else frozenset(),
+            "sort_key": vllm_versions.sort_key(params.length_penalty, eos_token_id),
+            "draft_eos": eos_token_id if ends else None,
+        }
 
     def survivors(self, candidates: list[_Frontier]) -> list[_Frontier]:
         if not self.online:
@@ -147,11 +158,12 @@ class Selection:
         return [candidates[int(i)] for i in order]
 
     def complete(self, seq: Any) -> Any:
-        """The completed form of a beam that just drew EOS."""
+        """The completed form of a beam that just drew an EOS token."""
         if self.online:
+            eos = seq.tokens[-1]
             if not self.include_eos:
                 seq.tokens = seq.tokens[:-1]
-            seq.finish_reason, seq.stop_reason = "stop", self.eos
+            seq.finish_reason, seq.stop_reason = "stop", eos
         return seq
 
     def best(self, state: Any) -> list[Any]:
@@ -160,7 +172,8 @@ class Selection:
 
 
 def check_params(params: Any) -> None:
-    """Refuse what the speculative search cannot replay exactly."""
+    """Refuse what the speculative search cannot replay exactly (``allowed_token_ids``
+    goes to vLLM's own search instead: :func:`allowlist_reason`)."""
     if params.temperature != 0:
         raise ValueError(
             f"speculative beam search is deterministic: BeamSearchParams.temperature must be 0, "
@@ -168,6 +181,23 @@ def check_params(params: Any) -> None:
         )
     if getattr(params, "structured_outputs", None) is not None:
         raise ValueError("speculative beam search does not support structured outputs; use LLM.beam_search")
+
+
+def allowlist_reason(params: Any) -> str | None:
+    """Why this search runs vLLM's own beam search: an ``allowed_token_ids`` allow-list (vLLM 0.33),
+    scored from exact-ID logprobs the speculative search cannot replay; else ``None``."""
+    if vllm_versions.beam_allowlist(params) is None:
+        return None
+    return "allowed_token_ids is set (scored from exact-ID logprobs, which the speculative search cannot replay)"
+
+
+def priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
+    """One scheduling priority per prompt, as ``LLM.beam_search`` (vLLM 0.33) takes them."""
+    if priority is None or isinstance(priority, int):
+        return [priority or 0] * count
+    if len(priority) != count:
+        raise ValueError(f"{count} prompts but {len(priority)} priorities: pass one priority or one per prompt")
+    return list(priority)
 
 
 def engine_problem(vllm_config: Any) -> str | None:
@@ -217,6 +247,8 @@ class PromptSearch:
 
     state: Any
     key: str
+    #: the scheduling priority of its requests
+    priority: int = 0
     steps: int = 0
     trees: list[DraftTree] = field(default_factory=list)
     layout: _Layout | None = None
@@ -299,27 +331,35 @@ class SpeculativeBeamSearch:
         self._keys = f"beam-search-{uuid.uuid4().hex[:12]}"
 
     # ------------------------------------------------------------ the search
-    def run(self, prompts: Sequence[Any], params: Any) -> list[Any]:
-        """What ``LLM.beam_search(prompts, params)`` returns (see the module docstring)."""
+    def run(self, prompts: Sequence[Any], params: Any, priority: int | Sequence[int] | None = None) -> list[Any]:
+        """What ``LLM.beam_search(prompts, params, priority=priority)`` returns (see the module docstring)."""
         from vllm.entrypoints.generate.beam_search.utils import BeamSearchInstance, BeamSearchOutput
 
+        reason = allowlist_reason(params)
+        if reason is not None:
+            logger.info("beam search runs vLLM's own LLM.beam_search: %s", reason)
+            return self.engine.beam_search(list(prompts), params, priority=priority)
         check_params(params)
         tokenizer = self.engine.get_tokenizer()
-        selection = Selection.offline(params, tokenizer.eos_token_id)
-        # vLLM 0.32.0 entrypoints/generate/beam_search/offline.py: the same
+        selection = Selection.offline(
+            params, tokenizer.eos_token_id, self.engine.llm_engine.input_processor.generation_config_fields
+        )
+        # vLLM 0.32.0 and 0.33.0 entrypoints/generate/beam_search/offline.py: the same
         # prompt preprocessing as LLM.beam_search.
         inputs = self.engine._preprocess_cmpl(list(prompts))
         search = next(_SEARCH_IDS)
         instances = [
-            PromptSearch(BeamSearchInstance(prompt), f"{self._keys}-{search}-{i}") for i, prompt in enumerate(inputs)
+            PromptSearch(BeamSearchInstance(prompt), f"{self._keys}-{search}-{i}", p)
+            for i, (prompt, p) in enumerate(zip(inputs, priorities(priority, len(inputs))))
         ]
         try:
             while active := self.active(instances, params):
-                requests = self.draft_round(active, params, selection.eos)
+                requests = self.draft_round(active, params, selection.draft_eos)
                 prompts_, sampling = zip(*requests)
-                self.verify_round(
-                    active, self.engine.generate(list(prompts_), list(sampling), use_tqdm=False), params, selection
+                results = self.engine.generate(
+                    list(prompts_), list(sampling), use_tqdm=False, priority=self.request_priorities(active)
                 )
+                self.verify_round(active, results, params, selection)
         finally:
             self.release(instances)
 
@@ -336,6 +376,12 @@ class SpeculativeBeamSearch:
     def active(instances: Sequence[PromptSearch], params: Any) -> list[PromptSearch]:
         """The prompts still searching: live beams and tokens left."""
         return [inst for inst in instances if inst.state.beams and inst.steps < params.max_tokens]
+
+    @staticmethod
+    def request_priorities(active: list[PromptSearch]) -> list[int]:
+        """The priority of each of :meth:`draft_round`'s requests: its prompt's."""
+        assert all(inst.layout is not None for inst in active)
+        return [inst.priority for inst in active for _ in inst.layout.nodes]  # type: ignore[union-attr]
 
     def release(self, instances: Sequence[PromptSearch]) -> None:
         """Free the draft state of finished (or abandoned) searches."""
@@ -470,7 +516,7 @@ class SpeculativeBeamSearch:
         """Replay vLLM's beam-search steps on the scored rows; returns the steps done.
 
         ``rows[b]`` holds target beam ``b``'s logprob dicts at its root and
-        tree nodes. vLLM 0.32.0 ``_beam_search_step`` / online ``beam_search``:
+        tree nodes. vLLM 0.32.0 and 0.33.0 ``_beam_search_step`` / online ``beam_search``:
         candidates are each beam's returned top ``2W`` tokens, EOS candidates
         complete, the ``W`` best others live on (:class:`Selection`).
         """
@@ -501,7 +547,7 @@ class SpeculativeBeamSearch:
                         lora_request=f.seq.lora_request,
                         cum_logprob=f.seq.cum_logprob + logprob.logprob,
                     )
-                    if token == selection.eos:
+                    if token in selection.eos:
                         inst.state.completed.append(selection.complete(seq))
                     else:
                         candidates.append(_Frontier(seq, f.beam, children[f.beam].get((f.node, token))))
@@ -517,12 +563,13 @@ def beam_search(
     params: Any,
     num_speculative_tokens: int | None = None,
     draft_width: int | None = None,
+    priority: int | Sequence[int] | None = None,
 ) -> list[Any]:
-    """``LLM.beam_search(prompts, params)``, speculatively (see the module docstring).
+    """``LLM.beam_search(prompts, params, priority=priority)``, speculatively (see the module docstring).
 
     ``num_speculative_tokens`` (draft depth) defaults to the engine's ``dsbd``
-    setting; ``draft_width`` (pairs drafted per depth) to ``2 * beam_width``.
-    The draft model is loaded on every call: keep a
+    setting; ``draft_width`` (pairs drafted per depth) to ``2 * beam_width``;
+    ``priority``: one for all prompts or one per prompt. Keep a
     :class:`SpeculativeBeamSearch` to search repeatedly.
     """
-    return SpeculativeBeamSearch(llm, num_speculative_tokens, draft_width).run(prompts, params)
+    return SpeculativeBeamSearch(llm, num_speculative_tokens, draft_width).run(prompts, params, priority)

