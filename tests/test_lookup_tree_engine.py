@@ -17,6 +17,16 @@ def metric(llm, name: str) -> float:
     return next(m.value for m in llm.get_metrics() if m.name == name)
 
 
+@pytest.fixture(scope="module")
+def lookup_with_metrics(engines, reference):
+    """The ``LOOKUP`` engine, started anew: ``LLM.get_metrics`` reads the process's
+    Prometheus registry, which holds the newest engine's metrics only (each engine
+    unregisters the earlier ones: vLLM 0.32.0 v1/metrics/loggers.py,
+    ``unregister_vllm_metrics``). The metric tests start no engine in between."""
+    engines.stop(LOOKUP)
+    return engines.get(LOOKUP)
+
+
 def _set_kv_move(worker, enabled: bool) -> None:
     worker.model_runner.move_accepted_kv = enabled
 
@@ -34,10 +44,10 @@ def test_batched_greedy_equals_no_speculation(engines, prompts, reference):
     assert after["kv_moves"] > before["kv_moves"]
 
 
-def test_one_at_a_time_greedy_equals_no_speculation(engines, prompts, reference):
+def test_one_at_a_time_greedy_equals_no_speculation(lookup_with_metrics, prompts, reference):
     """Also with prefix caching at work: the prompts run once in a batch first (whatever
     ran before this test), so every one-at-a-time request finds its prompt's blocks cached."""
-    llm = engines.get(LOOKUP)
+    llm = lookup_with_metrics
     llm.generate(prompts, greedy(), use_tqdm=False)
     hits = metric(llm, "vllm:prefix_cache_hits")
     for prompt, expected in zip(prompts, reference):
@@ -58,8 +68,8 @@ def test_kv_move_is_needed(engines, prompts, reference):
     assert token_ids(llm.generate(prompts, greedy())) == reference
 
 
-def test_spec_decode_metrics_count_trees(engines, prompts):
-    llm = engines.get(LOOKUP)
+def test_spec_decode_metrics_count_trees(lookup_with_metrics, prompts):
+    llm = lookup_with_metrics
 
     def totals() -> dict[str, object]:
         return {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}

@@ -73,9 +73,8 @@ def spec(request, near_draft) -> dict:
 @pytest.fixture(scope="module")
 def server(spec, tiny_model, tmp_path_factory):
     small_kv = ("--kv-cache-memory-bytes", str(SMALL_KV_TOKENS * 1024 * (2 if "model" in spec else 1)))
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    # one server runs vLLM's compiled graph, as users do; the others start eagerly
-    with running_server(tiny_model, spec, log, *small_kv, compiled=spec.get("scope") == "global") as url:
+    # eager: test_server_beam_search.py's dsbd server runs vLLM's compiled graph
+    with running_server(tiny_model, spec, tmp_path_factory.mktemp("server") / "server.log", *small_kv) as url:
         yield url
 
 

@@ -24,9 +24,11 @@ BEAM_ENGINE = ("--block-size", "32", "--enable-prefix-caching")
 
 @pytest.fixture(scope="module")
 def dsbd_server(tiny_model, near_draft, tmp_path_factory):
-    """In-engine dsbd at width 1 (lossless), on an engine that can also run the speculative beam search."""
+    """In-engine dsbd at width 1 (lossless), on an engine that can also run the speculative beam search;
+    the one test server that runs vLLM's compiled graph (target and in-worker draft), as users do."""
     spec = {"method": "dsbd", "model": near_draft, "num_speculative_tokens": 3, "max_nodes": 12, "max_width": 1}
-    with running_server(tiny_model, spec, tmp_path_factory.mktemp("dsbd") / "server.log", *BEAM_ENGINE) as url:
+    log = tmp_path_factory.mktemp("dsbd") / "server.log"
+    with running_server(tiny_model, spec, log, *BEAM_ENGINE, compiled=True) as url:
         yield url
 
 
