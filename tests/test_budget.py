@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 import pytest
-from conftest import make_prompts
-from test_lookup_tree_engine import greedy, runner_stats, token_ids
+from conftest import greedy, runner_stats, token_ids
+from specs import ADED_AUTO, LOOKUP_AUTO
 
 from vllm_specbeam.core import budget as budget_module
 from vllm_specbeam.core.budget import (
@@ -337,10 +337,6 @@ def test_per_request_budget_overrides():
 
 
 # ------------------------------------------------------------------ engines
-LOOKUP_AUTO = {"method": "lookup_tree", "prompt_lookup_min": 1}
-ADED_AUTO = {"method": "aded", "iterations": 40}
-
-
 class _FixedCost(StepCostModel):
     """A cost line that ignores the steps: what a machine with very dear rows would fit."""
 
@@ -359,16 +355,6 @@ def _plant_cost(worker, intercept: float | None = None, slope: float = 0.0) -> N
     line = None if intercept is None else StepCost(intercept, slope)
     budget.cost_model = StepCostModel() if line is None else _FixedCost(line)
     budget.cost = line
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[str]:
-    return make_prompts(10)
-
-
-@pytest.fixture(scope="module")
-def reference(engines, prompts) -> list[list[int]]:
-    return token_ids(engines.get(None).generate(prompts, greedy()))
 
 
 @pytest.mark.parametrize("config", [LOOKUP_AUTO, ADED_AUTO], ids=["lookup_tree", "aded"])

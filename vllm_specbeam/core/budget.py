@@ -42,7 +42,8 @@ Its shape is flat, then rising: a line that bends up at a knee,
 ``C(R) = a + b R + c max(0, R - K)`` with ``b, c >= 0``. A target's pass over a
 cached context costs about the same for a few rows as for one until the
 matrix units are full (bfloat16 on a CPU with AMX: 1.04x one row's time for
-16 rows, 1.48x for 64, Qwen2.5-Coder-1.5B), so a straight line through such
+16 rows, 1.48x for 64, Qwen2.5-Coder-1.5B, measured with vLLM 0.32's CPU
+build for issue #44), so a straight line through such
 steps would charge small trees for rows that are free and large ones too
 little past the knee. The knee is the candidate row count that fits best;
 before the rows have varied ``C`` is a straight line. Nothing here looks at a
