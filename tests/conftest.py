@@ -80,11 +80,36 @@ def make_prompts(count: int = 10, seed: int = 0) -> list[str]:
 def rpc_after_finished(llm, method):
     """Rank 0's ``llm.collective_rpc(method)`` once the worker has heard of the requests
     that finished last. vLLM's engine core tells it in one more step of its own, run
-    right after they finish, and serves RPCs between steps: a first call may come
-    before that step, a second one comes after it. (vLLM 0.32.0
-    vllm/v1/engine/core.py: ``run_busy_loop``, ``_process_input_queue``.)"""
-    llm.collective_rpc(method)
+    right after they finish (vLLM 0.32.0 vllm/v1/engine/core.py: ``run_busy_loop``,
+    ``_process_input_queue``; ``step`` runs while ``scheduler.has_requests()``, finished
+    ones included). An engine core in its own process serves RPCs between steps, so a
+    first call may come before that step and a second one after it; one in this process
+    takes the step when asked."""
+    if in_process(llm):
+        llm.llm_engine.step()
+    else:
+        llm.collective_rpc(method)
     return llm.collective_rpc(method)[0]
+
+
+def in_process(llm) -> bool:
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(llm.llm_engine.engine_core, InprocClient)
+
+
+def finish_like_own_process(llm) -> None:
+    """After each offline call, the step an engine core in its own process runs by itself
+    once requests finish (see :func:`rpc_after_finished`): the worker hears of them
+    before the test's next call, as it does in a server."""
+    run_engine = llm._run_engine
+
+    def run_and_finish(*args, **kwargs):
+        outputs = run_engine(*args, **kwargs)
+        llm.llm_engine.step()
+        return outputs
+
+    llm._run_engine = run_and_finish
 
 
 def tree_path(nodes: list[tuple[int, int]], node: int) -> list[int]:
@@ -130,7 +155,10 @@ class Engines:
     started once and reused by every module that asks for it; tests read
     counters as differences, never as totals. Engines run eagerly unless a test
     asks for ``enforce_eager=False`` (vLLM's CPU ``torch.compile`` takes longer
-    than most tests); compilation is checked where it is the point.
+    than most tests); compilation is checked where it is the point. The engine
+    core runs in the test's process (2-3 s a start against 17 s for a process
+    that imports vLLM anew), unless a test asks for ``own_process=True``: one
+    that checks what crosses the process boundary.
     """
 
     #: every live engine of the session, least recently used first
@@ -141,13 +169,15 @@ class Engines:
     def __init__(self, model: str) -> None:
         self.model = model
 
-    def _key(self, speculative_config: dict | None, kwargs: dict) -> tuple[str, str]:
-        return self.model, json.dumps([speculative_config, kwargs], sort_keys=True)
+    def _key(self, speculative_config: dict | None, own_process: bool, kwargs: dict) -> tuple[str, str]:
+        return self.model, json.dumps(
+            [speculative_config, kwargs, *(["own process"] if own_process else [])], sort_keys=True
+        )
 
-    def get(self, speculative_config: dict | None = None, **kwargs: object):
-        from vllm import LLM
+    def get(self, speculative_config: dict | None = None, own_process: bool = False, **kwargs: object):
+        from vllm import LLM, envs
 
-        key = self._key(speculative_config, kwargs)
+        key = self._key(speculative_config, own_process, kwargs)
         if key in Engines.alive:
             Engines.alive.move_to_end(key)
             return Engines.alive[key]
@@ -164,13 +194,23 @@ class Engines:
             **kwargs,
         }
         started = time.perf_counter()
-        Engines.alive[key] = LLM(model=self.model, speculative_config=speculative_config, **settings)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"
+        try:
+            Engines.alive[key] = LLM(model=self.model, speculative_config=speculative_config, **settings)
+        finally:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+            # An engine core caches vLLM's environment variables in its process: here, the
+            # tests' process, whose later engines and tests set their own.
+            envs.disable_envs_cache()
         Engines.starts.append((key[1], time.perf_counter() - started))
+        if not own_process:
+            finish_like_own_process(Engines.alive[key])
         return Engines.alive[key]
 
-    def stop(self, speculative_config: dict | None = None, **kwargs: object) -> None:
-        """Stop one engine now (one of several processes, or one whose state a test spent)."""
-        llm = Engines.alive.pop(self._key(speculative_config, kwargs), None)
+    def stop(self, speculative_config: dict | None = None, own_process: bool = False, **kwargs: object) -> None:
+        """Stop one engine now (one whose state a test spent, or to free its memory)."""
+        key = self._key(speculative_config, own_process, kwargs)
+        llm = Engines.alive.pop(key, None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
 

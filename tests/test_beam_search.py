@@ -310,7 +310,7 @@ def test_worker_drafting_needs_no_insecure_serialization(engines, near_draft, mo
     from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch, WorkerForests
 
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
-    llm = engines.get(dsbd(near_draft), **ENGINE, seed=1)  # a new engine core, started without it
+    llm = engines.get(dsbd(near_draft), own_process=True, **ENGINE)  # an engine core of its own, without it
     search = SpeculativeBeamSearch(llm)
     assert isinstance(search.forests, WorkerForests)
     prompts = make_prompts(3, seed=3)

@@ -11,7 +11,7 @@ drawn unchunked.
 from __future__ import annotations
 
 import pytest
-from conftest import make_prompts
+from conftest import MAX_MODEL_LEN, make_prompts
 from specs import LOOKUP
 
 
@@ -22,7 +22,8 @@ def test_seeded_requests_survive_chunked_prefill_and_sample_as_unchunked(engines
     prompts = make_prompts(10)  # 4 to 300 words: the long ones take several 64-token chunks
     params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True) for seed in range(10)]
     chunked = engines.get(speculative_config, max_num_batched_tokens=64, max_num_seqs=8)
-    whole = engines.get(speculative_config, max_num_batched_tokens=4096)
+    whole = engines.get(speculative_config)  # the session's engine: one step holds any prompt
+    assert whole.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens >= MAX_MODEL_LEN
     outputs = {}
     for name, llm in [("chunked", chunked), ("whole", whole)]:
         outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

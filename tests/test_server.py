@@ -1,8 +1,8 @@
 """The OpenAI-compatible server started with ``vllm-specbeam serve``.
 
-Per tree method (``lookup_tree`` in the global scope with the per-step budget,
-``aded``, and ``mcsd`` with a draft inside the worker), on a KV cache small enough to
-preempt: ten greedy completions sent concurrently, then one at a time (the
+Per kind of drafter (``lookup_tree`` in the global scope with the per-step
+budget: drafting on the host; ``mcsd``: a draft model inside the worker), on a KV
+cache small enough to preempt: ten greedy completions sent concurrently, then one at a time (the
 global scope drafting from the first wave), equal ``LLM(...)`` without
 speculation; then the load test of benchmarks/load_test.py: 200 mixed
 requests at once (completions and chat, streamed and not, logprobs, stop
@@ -10,7 +10,9 @@ strings, EOS allowed, per-request options, seeded ``n=2``), every greedy
 answer identical to a server without speculation, then dropped streams,
 abandoned requests and bad input beside a second wave that is still exact,
 and afterwards no request, KV block or drafter state left. The ``dsbd``
-server and its beam search: test_server_beam_search.py.
+server and its beam search: test_server_beam_search.py. ``aded`` drafts on the
+host as ``lookup_tree`` does; its preemption, chunked prefill and aborted
+requests are tested in-process (test_batch_robustness.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, greedy, make_prompts
-from specs import ADED, MCSD
+from specs import MCSD
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import load_test
@@ -63,7 +65,7 @@ def running_server(
     scope="module",
     # The global scope at its defaults: the per-step budget ("max_nodes": "auto") under load, and
     # the request scope's drafter plus the index (the request scope's server was merged into it).
-    params=[{"method": "lookup_tree", "prompt_lookup_min": 1, "scope": "global"}, ADED, MCSD],
+    params=[{"method": "lookup_tree", "prompt_lookup_min": 1, "scope": "global"}, MCSD],
     ids=lambda spec: "-".join([spec["method"], *([spec["scope"]] if "scope" in spec else [])]),
 )
 def spec(request, near_draft) -> dict:
