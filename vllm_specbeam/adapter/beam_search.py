@@ -1,50 +1,24 @@
 """Speculative beam search: vLLM's beam search, several tokens per target pass.
 
-vLLM's ``LLM.beam_search`` (0.32.0 and 0.33.0 entrypoints/generate/beam_search/offline.py)
-advances every beam one token per engine step: each beam is submitted as a
-one-token request with ``logprobs=2W``, the beams' candidates are pooled per
-prompt and the ``W`` best by score survive. :func:`beam_search` returns the
-same thing (same arguments, same :class:`BeamSearchOutput`, the same beams)
-but a round advances up to ``num_speculative_tokens + 1`` tokens:
+:func:`beam_search` (and :class:`SpeculativeBeamSearch`) take
+``LLM.beam_search``'s arguments and return the same beams, but a round
+advances up to ``num_speculative_tokens + 1`` tokens:
 
-1. **Draft.** The draft model runs the same beam search from the ``W``
-   target beams for ``num_speculative_tokens`` depths, keeping the
-   ``draft_width`` best (beam, token) pairs per depth jointly over all beams,
-   scores starting from the target beams' own: a forest, one tree per beam
-   (:func:`~vllm_specbeam.methods.dsbd.drafter.draft_forests`). The draft
-   keeps one state per prompt: the beams' common prefix is encoded once and
-   their differing tails are tree nodes below it; all prompts are drafted
-   together, one batched draft forward per depth. This runs in the engine's
-   worker on the draft vLLM loaded for ``dsbd`` (:class:`WorkerForests`, one
-   ``collective_rpc`` a round): no copy of the draft in this process.
-2. **Score.** Every beam of every prompt is submitted once with its tree
-   appended (:mod:`vllm_specbeam.adapter.tree_prompt`): one target pass scores the
-   whole forest, and the beams share their prompt's KV blocks through vLLM's
-   prefix cache. vLLM caches full blocks only, so each such request also
-   recomputes its beam's last partial block. When that costs more rows, a
-   prompt's beams go as one request instead: their common prefix, then the
-   beams' tails and trees as one tree (:class:`~vllm_specbeam.adapter.tree_prompt.SharedTree`),
-   the shared partial block computed once (the ``scoring`` option).
-3. **Verify.** vLLM's selection is replayed depth by depth on the target's
-   logprobs. While every survivor is a drafted node, its row was scored and
-   the next depth can be selected too; the first depth with a survivor the
-   draft missed ends the round (the survivors themselves are exact: they
-   were chosen from scored rows).
+1. **Draft**: the engine's ``dsbd`` draft, in its worker (:class:`WorkerForests`,
+   one ``collective_rpc`` a round), runs the same beam search from the ``W``
+   target beams (:func:`~vllm_specbeam.methods.dsbd.drafter.draft_forests`).
+2. **Score**: every beam goes once with its tree appended
+   (:mod:`vllm_specbeam.adapter.tree_prompt`), or a prompt's beams as one
+   :class:`~vllm_specbeam.adapter.tree_prompt.SharedTree` when that computes
+   fewer rows (the ``scoring`` option): one target pass for the whole forest.
+3. **Verify**: vLLM's selection is replayed depth by depth on the target's
+   logprobs until a survivor the draft missed ends the round.
 
-So the output is vLLM's beam search's output, computed with fewer target
-passes; only the tree rows' floating-point rounding differs from a plain
-prefill, which can flip exact ties. Deterministic beam search only
-(``temperature=0``), as the comparison with ``LLM.beam_search`` needs; a
-search with vLLM 0.33's ``allowed_token_ids`` runs ``LLM.beam_search`` itself.
-:class:`Selection` holds the two ways vLLM selects (offline and server);
-:mod:`vllm_specbeam.adapter.beam_search_server` runs these rounds for the OpenAI
-server's ``use_beam_search``.
-
-Use it on an engine started with the ``dsbd`` method (its ``model`` is the
-draft; ``num_speculative_tokens`` the draft depth)::
-
-    llm = LLM(target, speculative_config={"method": "dsbd", "model": draft}, enable_prefix_caching=True)
-    outputs = beam_search(llm, prompts, BeamSearchParams(beam_width=4, max_tokens=64))
+Deterministic beam search only (``temperature=0``); a search with vLLM 0.33's
+``allowed_token_ids`` runs ``LLM.beam_search`` itself. :class:`Selection`
+holds vLLM's two selection rules (offline and server);
+:mod:`vllm_specbeam.adapter.beam_search_server` runs these rounds for the
+server's ``use_beam_search``. Usage and figures: docs/methods/dsbd.md.
 """
 
 from __future__ import annotations

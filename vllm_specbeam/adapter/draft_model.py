@@ -1,48 +1,25 @@
 """The draft model inside vLLM's worker: loaded by vLLM, its K/V in vLLM's paged cache.
 
-Verified design: docs/draft-runtime.md. In short (vLLM 0.32.0):
+Design and the facts it rests on (vLLM 0.32.0): docs/draft-runtime.md. In short:
 
-- **Loading.** The runner's ``load_model`` (after the target) loads the draft
-  with vLLM's ``get_model`` under a draft ``ModelConfig``, as vLLM's own
-  ``DraftModelProposer`` does. The draft's config shares the target's
-  ``compilation_config``, so its attention layers register next to the
-  target's; they are found by diffing the attention layers before and after.
-- **KV cache.** The runner's KV-cache spec then covers both models: one KV
-  group (equal block sizes suffice), so every block holds the target's and the
-  draft's K/V of the same tokens, and the runner splits the group into one
-  attention group per model. The draft's forwards use the draft's attention
-  group's metadata builder, the request's own block-table row, and
-  ``slot_mapping`` in the forward context (the K/V write reads it there).
-- **Slots.** Committed token ``j`` sits in the request's slot ``j`` (as the
-  target's). A round's tree nodes take scratch slots after the last committed
-  token (``root + 1 + i`` for the ``i``-th node fed), never derived from their
-  RoPE position ``context - 1 + depth``; each depth is one forward whose rows
-  get the ancestor-only mask from the plugin's tree attention: on CPU a
-  :class:`~vllm_specbeam.adapter.attention.cpu.TreeStep`, on CUDA a
-  :class:`~vllm_specbeam.adapter.attention.cuda.GpuTreeStep` whose mask bits
-  count keys from the committed context on (the kernel's ``tree_base``), so
-  they reach the ancestors earlier depths wrote. The scheduler
-  reserves those slots: :func:`lookahead` raises
-  ``VllmConfig.num_lookahead_tokens`` for plugin draft-model methods.
-- **Accepted nodes keep their K/V; rollback is free.** A sync first walks
-  last round's tree along the tokens committed since: those nodes' K/V are
-  right for the committed tokens (same tokens, same RoPE positions, attention
-  over the context and their ancestors only), so they are kept, moved to
-  their committed slots where they are not there already (the ``i``-th token
-  committed after the root belongs in slot ``root + 1 + i``). Then it feeds
-  the rest (the target's own token) from the first slot whose draft K/V is not
-  valid, overwriting the other nodes' scratch. Example: root at slot 9, nodes
-  ``[a, b, c]`` in slots ``[10, 11, 12]``, parents ``[-1, -1, 1]``; the target
-  commits ``b c x``: ``b``, ``c`` move from slots 11, 12 to 10, 11 and only
-  ``x`` is fed (slot 12). A chain's accepted nodes never move.
-- **Prefix caching.** A cached block carries the draft's K/V too, so the
-  draft must have fed every token the target computes, every step, for every
-  scheduled request (drafting or not): :meth:`WorkerDraftRuntime.sync_step`
-  runs after each step's sampling. A new request then trusts the draft's K/V up
-  to its prefix hit (``num_computed_tokens``).
+- **Loading.** After the target, vLLM's ``get_model`` loads the draft under a draft
+  ``ModelConfig`` sharing the target's ``compilation_config``, so its attention layers
+  join the target's KV-cache group (found by diffing the attention layers).
+- **Slots.** Committed token ``j`` sits in the request's slot ``j``; a round's tree
+  nodes take scratch slots ``root + 1 + i`` (never derived from RoPE positions), one
+  forward per depth with the ancestor-only mask (CPU ``TreeStep``, CUDA
+  ``GpuTreeStep``); :func:`lookahead` makes the scheduler reserve those slots.
+- **Accepted nodes keep their K/V.** A sync walks last round's tree along the tokens
+  committed since, moves those nodes' K/V to their committed slots and feeds only the
+  rest. Example: root at slot 9, nodes ``[a, b, c]`` in slots ``[10, 11, 12]``, parents
+  ``[-1, -1, 1]``, committed ``b c x``: ``b``, ``c`` move to 10, 11; only ``x`` is fed.
+- **Prefix caching.** A cached block carries the draft's K/V too: after each step
+  :meth:`WorkerDraftRuntime.sync_step` feeds every scheduled request's committed tokens
+  the draft lacks; a request whose drafter ran no draft forward this step
+  (:meth:`~WorkerDraftRuntime.defer`) gets only the tokens that fill blocks (vLLM caches
+  full blocks only), the rest at its next sync. A new request trusts its prefix hit.
 
-The drafters sample and search on the host: each forward's logits come back
-to the host (one copy per forward; on CPU nothing moves).
+Logits come back to the host after each forward (the drafters sample on the host).
 """
 
 from __future__ import annotations
@@ -229,6 +206,8 @@ class WorkerDraftRuntime:
         self._head = _VocabularyHead(self.model, vocab.load(path).ids, self.vocab_size, path) if path else None
         self._group: AttentionGroup | None = None
         self._requests: dict[str, _Request] = {}
+        #: requests that run no draft forward this step (:meth:`defer`), until its :meth:`sync_step`
+        self._deferred: set[str] = set()
 
     def bind(self) -> None:
         """Find the attention group holding the draft's layers (after the runner's ``initialize_kv_cache``).
@@ -341,6 +320,11 @@ class WorkerDraftRuntime:
             )
         return self._forward(feeds, last_only=False)
 
+    def defer(self, req_ids: Iterable[str]) -> None:
+        deferred = set(req_ids)
+        self._deferred |= deferred
+        self.runner.tree_counts.draft_deferred += len(deferred)
+
     def remove(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._requests.pop(req_id, None)
@@ -355,8 +339,11 @@ class WorkerDraftRuntime:
         """
         batch = self.runner.input_batch
         feeds = []
+        deferred, self._deferred = self._deferred, set()
         for index, req_id in enumerate(batch.req_ids):
             end = min(int(batch.num_tokens_no_spec[index]), self._capacity(req_id, 0))
+            if req_id in deferred:  # only whole blocks can serve a prefix hit; its next sync feeds the rest
+                end -= end % self.block_size
             tree = self.runner.prompt_tree(req_id)
             if tree is not None:
                 # a beam search's scoring request: only the blocks before its tree's root can serve
@@ -540,6 +527,7 @@ class SearchDraftRuntime(WorkerDraftRuntime):
         # the engine's loaded draft, none of its requests
         self.__dict__.update({k: v for k, v in vars(engine).items() if k != "_requests"})
         self._requests = {}
+        self._deferred = set()
         max_len = self.runner.vllm_config.model_config.max_model_len
         self.pool = _BlockPool(self._attention, self.block_size, -(-max_len // self.block_size))
 

@@ -50,6 +50,10 @@ class Target:
     #: ``module:qualname`` of the plugin class that subclasses this class: its
     #: ``@override`` methods must exist here too
     subclass: str | None = None
+    #: the patch it belongs to (plugin.py's functions name them "Patch N"), and why
+    #: the plugin touches it: rendered into docs/patches.md
+    patch: int = 0
+    why: str = ""
 
     @property
     def module(self) -> str:
@@ -93,69 +97,158 @@ class Target:
         return f"{self.path} (read from {self.source} in vLLM {READ_FROM}): {reason}"
 
 
-def _runner(platform: Literal["cpu", "cuda"], path: str) -> Target:
-    return Target(path, "class", platform, subclass="vllm_specbeam.adapter.runner:TreeRunnerMixin")
+def _runner(platform: Literal["cpu", "cuda"], path: str, why: str) -> Target:
+    return Target(path, "class", platform, "vllm_specbeam.adapter.runner:TreeRunnerMixin", 3, why)
 
 
 # ----------------------------------------------------------------- the targets
-# What each is for: plugin.py's docstring (the numbers are its patches).
-#: 1. validates a plugin method's config and hands vLLM the carrier config
-CREATE_SPECULATIVE_CONFIG = Target("vllm.engine.arg_utils:EngineArgs.create_speculative_config")
-#: 2. per-request options and tree prompts, checked at admission
-VALIDATE_PARAMS = Target("vllm.v1.engine.input_processor:InputProcessor._validate_params")
-#: 3. the worker classes named in ``worker_cls`` build the tree runner (adapter/worker.py)
+CREATE_SPECULATIVE_CONFIG = Target(
+    "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+    patch=1,
+    why="a plugin method's speculative config is validated here and replaced by the `custom_class` carrier "
+    'config vLLM accepts; the plugin\'s own settings travel in `VllmConfig.additional_config["specbeam"]` '
+    "to every worker, and the engine settings a plugin method needs are made here "
+    "(`adapter/engine_config.py`). Installed in every process; other methods go to vLLM unchanged",
+)
+VALIDATE_PARAMS = Target(
+    "vllm.v1.engine.input_processor:InputProcessor._validate_params",
+    patch=2,
+    why="per-request options in `SamplingParams.extra_args` and tree prompts (`adapter/tree_prompt.py`) are "
+    "checked at admission, so a bad value fails that request only",
+)
 CPU_WORKER = Target(
-    "vllm.v1.worker.cpu_worker:CPUWorker", "class", "cpu", subclass="vllm_specbeam.adapter.worker:TreeCPUWorker"
+    "vllm.v1.worker.cpu_worker:CPUWorker",
+    "class",
+    "cpu",
+    "vllm_specbeam.adapter.worker:TreeCPUWorker",
+    3,
+    "patch 1 names the plugin's subclass in `ParallelConfig.worker_cls` (vLLM's extension point); it builds "
+    "the tree runner (`adapter/worker.py`)",
 )
-#: the runner class ``CPUWorker.init_device`` builds, by this module-global name
-CPU_WORKER_RUNNER = _runner("cpu", "vllm.v1.worker.cpu_worker:CPUModelRunner")
+CPU_WORKER_RUNNER = _runner(
+    "cpu",
+    "vllm.v1.worker.cpu_worker:CPUModelRunner",
+    "the runner class `CPUWorker.init_device` builds, by this module-global name; the tree runner "
+    "(`adapter/runner.py`) subclasses it and overrides a handful of its methods",
+)
 GPU_WORKER = Target(
-    "vllm.v1.worker.gpu_worker:Worker", "class", "cuda", subclass="vllm_specbeam.adapter.worker:TreeGPUWorker"
+    "vllm.v1.worker.gpu_worker:Worker",
+    "class",
+    "cuda",
+    "vllm_specbeam.adapter.worker:TreeGPUWorker",
+    3,
+    "as `CPUWorker`, on CUDA",
 )
-GPU_RUNNER = _runner("cuda", "vllm.v1.worker.gpu_model_runner:GPUModelRunner")
-#: the CPU backend's attention, wrapped to recompute tree rows (adapter/attention/cpu.py)
-CPU_ATTENTION_FORWARD = Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward", platform="cpu")
-#: 4. the CUDA tree backend (adapter/attention/cuda.py): vLLM's Triton backend,
-#: subclassed, registered in the ``CUSTOM`` slot
-REGISTER_BACKEND = Target("vllm.v1.attention.backends.registry:register_backend", platform="cuda")
-CUSTOM_BACKEND_SLOT = Target("vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM", "attribute", "cuda")
+GPU_RUNNER = _runner(
+    "cuda",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+    "the CUDA runner the tree runner subclasses (`adapter/runner.py`)",
+)
+CPU_ATTENTION_FORWARD = Target(
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
+    platform="cpu",
+    patch=3,
+    why="wrapped by the runner in the worker's process, to recompute tree rows with the tree mask "
+    "(`adapter/attention/cpu.py`)",
+)
+REGISTER_BACKEND = Target(
+    "vllm.v1.attention.backends.registry:register_backend",
+    platform="cuda",
+    patch=4,
+    why="points vLLM's `CUSTOM` attention-backend slot at the plugin's tree backend "
+    "(`adapter/attention/cuda.py`) in every process; used only when patch 1 selects it",
+)
+CUSTOM_BACKEND_SLOT = Target(
+    "vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM",
+    "attribute",
+    "cuda",
+    patch=4,
+    why="the slot the tree backend is registered in",
+)
 TRITON_BACKEND = Target(
     "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend",
     "class",
     "cuda",
-    subclass="vllm_specbeam.adapter.attention.cuda:TreeTritonAttentionBackend",
+    "vllm_specbeam.adapter.attention.cuda:TreeTritonAttentionBackend",
+    4,
+    "vLLM's Triton backend, subclassed: the tree backend",
 )
 TRITON_IMPL = Target(
     "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl",
     "class",
     "cuda",
-    subclass="vllm_specbeam.adapter.attention.cuda:TreeTritonAttentionImpl",
+    "vllm_specbeam.adapter.attention.cuda:TreeTritonAttentionImpl",
+    4,
+    "vLLM's Triton attention, subclassed: tree steps run the plugin's tree kernel",
 )
-#: class variables the tree backend overrides: what vLLM's selector refuses, and no full CUDA graphs
 TRITON_CLASS_VARIABLES = tuple(
-    Target(f"vllm.v1.attention.backends.triton_attn:{name}", "attribute", "cuda")
+    Target(
+        f"vllm.v1.attention.backends.triton_attn:{name}",
+        "attribute",
+        "cuda",
+        patch=4,
+        why="a class variable the tree backend overrides: what vLLM's selector refuses, and no full CUDA graphs",
+    )
     for name in (
         "TritonAttentionBackend.supported_dtypes",
         "TritonAttentionBackend.supported_kv_cache_dtypes",
         "TritonAttentionMetadataBuilder._cudagraph_support",
     )
 )
-#: 5. prefix-cache keys of tree-prompt blocks (adapter/tree_prompt.py)
-BLOCK_HASH_EXTRA_KEYS = Target("vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys")
-#: 6. the server's use_beam_search (adapter/beam_search_server.py)
-ONLINE_BEAM_SEARCH = Target("vllm.entrypoints.generate.beam_search.online:BeamSearchOnlineMixin.beam_search")
-#: 7. KV slots the scheduler reserves past a step's tokens: the in-worker draft's scratch (adapter/draft_model.py)
-NUM_LOOKAHEAD_TOKENS = Target("vllm.config.vllm:VllmConfig.num_lookahead_tokens", "attribute")
-#: 8. sampling without the generators of requests whose token is discarded (adapter/cpu_generators.py)
-SAMPLE_TOKENS = Target("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens", platform="cpu")
-#: 9. ``min_p`` and ``logit_bias`` on plugin engines (their requests are never drafted): admitted,
-#: and the runner built with vLLM's built-in logits processors, which apply them
-VALIDATE_SPEC_DECODE_PARAMS = Target("vllm.sampling_params:SamplingParams._validate_spec_decode")
-RUNNER_LOGITSPROCS = Target("vllm.v1.worker.gpu_model_runner:build_logitsprocs")
-BUILTIN_LOGITSPROCS = Target("vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS", "attribute")
-#: 10. the scheduler of plugin engines (adapter/scheduler.py): prefill chunks end outside tree prompts' trees
+BLOCK_HASH_EXTRA_KEYS = Target(
+    "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys",
+    patch=5,
+    why="prefix-cache blocks holding a tree prompt's tree rows get a key of their own, so they never serve "
+    "another request (`adapter/tree_prompt.py`); in the engine-core process, where requests are hashed",
+)
+ONLINE_BEAM_SEARCH = Target(
+    "vllm.entrypoints.generate.beam_search.online:BeamSearchOnlineMixin.beam_search",
+    patch=6,
+    why="the OpenAI server's `use_beam_search` runs the speculative beam search on `dsbd` engines "
+    "(`adapter/beam_search_server.py`) and vLLM's own otherwise; in the API server's process",
+)
+NUM_LOOKAHEAD_TOKENS = Target(
+    "vllm.config.vllm:VllmConfig.num_lookahead_tokens",
+    "attribute",
+    patch=7,
+    why="for draft-model methods, also the KV slots the in-worker draft writes its tree nodes to "
+    "(`adapter/draft_model.py` `lookahead`); read by the scheduler, in the engine-core process",
+)
+SAMPLE_TOKENS = Target(
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+    platform="cpu",
+    patch=8,
+    why="on CPU a step samples without the generators of requests whose token it discards, so vLLM's rewind "
+    "of them, which CPU generators cannot do, is never needed (`adapter/cpu_generators.py`); a fix for every "
+    "CPU engine, plugin method or not",
+)
+VALIDATE_SPEC_DECODE_PARAMS = Target(
+    "vllm.sampling_params:SamplingParams._validate_spec_decode",
+    patch=9,
+    why="vLLM refuses `min_p` and `logit_bias` with any speculative config, since its rejection sampler cannot "
+    "apply them to draft rows; the tree runner never drafts such requests and samples their one row with "
+    "vLLM's own sampler, so a plugin engine admits them (in the API server's process)",
+)
+RUNNER_LOGITSPROCS = Target(
+    "vllm.v1.worker.gpu_model_runner:build_logitsprocs",
+    patch=9,
+    why="with speculation vLLM builds only the min-tokens logits processor; a plugin engine's runner is "
+    "built with all built-in ones (`adapter/runner.py` `builtin_logitsprocs`; custom ones stay refused)",
+)
+BUILTIN_LOGITSPROCS = Target(
+    "vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS",
+    "attribute",
+    patch=9,
+    why="the built-in logits processors the runner is built with",
+)
 SCHEDULER = Target(
-    "vllm.v1.core.sched.scheduler:Scheduler", "class", subclass="vllm_specbeam.adapter.scheduler:TreePromptScheduler"
+    "vllm.v1.core.sched.scheduler:Scheduler",
+    "class",
+    subclass="vllm_specbeam.adapter.scheduler:TreePromptScheduler",
+    patch=10,
+    why="patch 1 names the plugin's subclass in `SchedulerConfig.scheduler_cls` (unless the user set one): "
+    "under chunked prefill it ends a prefill chunk before a tree prompt's tree instead of inside it, through "
+    "the per-chunk hook vLLM calls for Mamba alignment (`adapter/scheduler.py`); in the engine-core process",
 )
 
 TARGETS = (

@@ -1,80 +1,12 @@
 """Entry point vLLM calls in every process (``vllm.general_plugins``).
 
-This is the list of what the plugin touches in vLLM, each with the 0.32.0
-source it was read from. Every symbol below is a target in
-:mod:`vllm_specbeam.adapter.patches`, looked up when the plugin registers;
-if one is missing, or another vLLM is installed, nothing else is installed,
-the problems are logged, and requesting a plugin method fails with them.
-
-1. ``EngineArgs.create_speculative_config`` (vllm/engine/arg_utils.py): the
-   user's speculative config for a plugin method is validated here and
-   replaced by the ``custom_class`` carrier vLLM accepts; the plugin's own
-   settings travel in ``VllmConfig.additional_config["specbeam"]`` to every
-   worker. The same patch makes the engine settings a plugin method needs
-   (:func:`~vllm_specbeam.adapter.engine_config.configure_engine`).
-   Installed in every process; other methods go to vLLM unchanged.
-2. ``InputProcessor._validate_params`` (vllm/v1/engine/input_processor.py):
-   checks per-request strategy options in ``SamplingParams.extra_args`` at
-   admission, so a bad value fails that request only; tree-prompt requests
-   (:mod:`vllm_specbeam.adapter.tree_prompt`) are checked here too.
-3. The worker: for a plugin method, patch 1 sets ``ParallelConfig.worker_cls``
-   (vLLM's extension point) to the plugin's subclass of ``CPUWorker``
-   (vllm/v1/worker/cpu_worker.py) or ``Worker`` (vllm/v1/worker/gpu_worker.py),
-   which builds the tree runner (:mod:`vllm_specbeam.adapter.worker`): a
-   subclass of ``CPUModelRunner`` (read by name from cpu_worker.py, where the
-   CPU worker builds it) or ``GPUModelRunner``
-   (vllm/v1/worker/gpu_model_runner.py) overriding a handful of its methods
-   (:mod:`vllm_specbeam.adapter.runner`). On CPU the runner wraps
-   ``CPUAttentionBackendImpl.forward`` (vllm/v1/attention/backends/cpu_attn.py,
-   :mod:`vllm_specbeam.adapter.attention.cpu`) in the worker's process.
-4. On CUDA, vLLM's ``AttentionBackendEnum.CUSTOM`` attention-backend slot
-   (vllm/v1/attention/backends/registry.py ``register_backend``) is pointed at
-   the plugin's subclasses of ``TritonAttentionBackend``, ``TritonAttentionImpl``
-   and ``TritonAttentionMetadataBuilder``
-   (vllm/v1/attention/backends/triton_attn.py,
-   :mod:`vllm_specbeam.adapter.attention.cuda`), in every process; it is used
-   only when patch 1 selects it.
-5. ``generate_block_hash_extra_keys`` (vllm/v1/core/kv_cache_utils.py):
-   prefix-cache blocks holding the rows of a tree-prompt request's tree get a
-   key of their own, so they never serve another request
-   (:mod:`vllm_specbeam.adapter.tree_prompt`). Used in the engine-core
-   process, where requests are hashed.
-6. ``BeamSearchOnlineMixin.beam_search``
-   (vllm/entrypoints/generate/beam_search/online.py): the OpenAI server's
-   ``use_beam_search`` runs the speculative beam search on ``dsbd`` engines
-   (:mod:`vllm_specbeam.adapter.beam_search_server`) and vLLM's own
-   otherwise. Used in the API server's process.
-7. ``VllmConfig.num_lookahead_tokens`` (vllm/config/vllm.py): for draft-model
-   methods on CPU, also the KV slots the in-worker draft writes its tree nodes
-   to (:func:`vllm_specbeam.adapter.draft_model.lookahead`). Read by the
-   scheduler, in the engine-core process.
-8. On CPU, ``GPUModelRunner.sample_tokens`` (vllm/v1/worker/gpu_model_runner.py,
-   which ``CPUModelRunner`` inherits): a step samples without the generators of
-   the requests whose token it discards, so vLLM's rewind of those generators,
-   which CPU generators cannot do, is never needed
-   (:mod:`vllm_specbeam.adapter.cpu_generators`). A fix for every CPU engine,
-   plugin method or not, in the worker's process.
-9. ``SamplingParams._validate_spec_decode`` (vllm/sampling_params.py) and
-   ``build_logitsprocs`` as vllm/v1/worker/gpu_model_runner.py names it
-   (with ``BUILTIN_LOGITS_PROCESSORS``, vllm/v1/sample/logits_processor/__init__.py):
-   vLLM refuses ``min_p`` and ``logit_bias`` with any speculative config and
-   builds only the min-tokens logits processor, since its rejection sampler
-   cannot apply them to draft rows. The tree runner never drafts such
-   requests (``request_supports_trees``) and samples their one row a step
-   with vLLM's own sampler, so on a plugin engine they are admitted and the
-   runner is built with all built-in processors
-   (:func:`vllm_specbeam.adapter.runner.builtin_logitsprocs`; custom logits
-   processors stay refused). Admission in the API server's process, the
-   runner in the worker's.
-10. The scheduler: for a plugin method, patch 1 sets
-   ``SchedulerConfig.scheduler_cls`` (vLLM's extension point, unless the user
-   set one) to the plugin's subclass of ``Scheduler``
-   (vllm/v1/core/sched/scheduler.py, :mod:`vllm_specbeam.adapter.scheduler`):
-   under chunked prefill it cuts a prefill chunk that would end inside a
-   tree prompt's tree, through the per-chunk hook vLLM calls for Mamba
-   alignment. In the engine-core process.
-
-Patches 2, 5, 6, 7 and 9 fall through to vLLM when no plugin method is configured.
+``register`` looks up every vLLM symbol the plugin touches
+(:data:`vllm_specbeam.adapter.patches.TARGETS`, each with its patch number and
+why; rendered into docs/patches.md), then installs the patches. If a symbol is
+missing, or another vLLM is installed, nothing else is installed, the
+problems are logged, and requesting a plugin method fails with them. The
+functions below are the patches, named "Patch N" as in ``TARGETS``; patches
+2, 5, 6, 7 and 9 fall through to vLLM when no plugin method is configured.
 """
 
 from __future__ import annotations

@@ -1,30 +1,23 @@
 """Tree verification inside vLLM's V1 model runner.
 
-One engine step of a plugin method, as the runner sees it (vLLM 0.32.0,
+One engine step of a plugin method, as the runner sees it (vLLM's
 v1/worker/gpu_model_runner.py, synchronous scheduling):
 
-1. ``_prepare_inputs`` (stock) lays out ``[root, node 0, node 1, ...]`` for each
-   request with drafts and gives every row a linear KV slot. The plugin then
-   sets each node's *position* to ``context + depth`` (slots stay linear).
+1. ``_prepare_inputs`` (stock) lays out ``[root, node 0, node 1, ...]`` per
+   request and gives every row a linear KV slot; the plugin then sets each
+   node's *position* to ``context + depth``.
 2. ``_model_forward`` runs the target once; the attention layers see the
-   step's trees and give tree rows the ancestor-only mask: on CPU a
-   :class:`~vllm_specbeam.adapter.attention.cpu.TreeStep` for the wrapped CPU
-   backend, on CUDA a :class:`~vllm_specbeam.adapter.attention.cuda.GpuTreeStep`
-   for the plugin's attention backend (selected at start-up).
-3. ``_sample`` runs the strategy's verifier instead of vLLM's chain rejection
-   sampler, returns the accepted path in the shape vLLM expects, and moves the
-   accepted nodes' K/V into the slots of consecutive positions (torch on CPU,
-   the ``kv_move`` kernel on CUDA).
-4. ``propose_draft_token_ids`` asks the drafter for the next trees; with
-   ``"max_nodes": "auto"`` the step budget (:mod:`vllm_specbeam.core.budget`)
-   first says how many nodes to ask each request for, then keeps the nodes of
-   the whole batch that pay for their rows. The flattened tokens go to the
-   scheduler as ordinary draft tokens (the scheduler allocates a slot per node
-   and rolls back what was not accepted).
+   step's trees (CPU: :class:`~vllm_specbeam.adapter.attention.cpu.TreeStep`,
+   CUDA: :class:`~vllm_specbeam.adapter.attention.cuda.GpuTreeStep`).
+3. ``_sample`` runs the method's verifier instead of vLLM's rejection
+   sampler, returns the accepted path in vLLM's shape, and moves the accepted
+   nodes' K/V to consecutive slots.
+4. ``propose_draft_token_ids`` asks the drafter for the next trees, cut by
+   the step budget (:mod:`vllm_specbeam.core.budget`) under ``"max_nodes":
+   "auto"``; the flattened tokens go to the scheduler as draft tokens.
 
-The runner is built only by the plugin's workers (:mod:`.worker`), i.e. only
-when a plugin method is configured. Each vLLM method it overrides is marked
-``@override``; registration checks they still exist (:mod:`.patches`).
+Built only by the plugin's workers (:mod:`.worker`). Each vLLM method it
+overrides is marked ``@override``; registration checks they still exist.
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import check_tree_attention, distinct_kv_caches, move_kv_slots, tree_step
 from vllm_specbeam.adapter.draft_model import SearchDraftRuntime, WorkerDraftRuntime, uses_worker_draft
 from vllm_specbeam.adapter.engine_config import plugin_config
-from vllm_specbeam.core.budget import StepBudget, StepCost
+from vllm_specbeam.core.budget import FILL_KIND, StepBudget, StepCost
 from vllm_specbeam.core.config import AUTO, METHODS, SpecbeamConfig, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.tree import DraftTree
@@ -219,6 +212,15 @@ class TreeCounts:
     #: forwards of an in-worker draft model (drafting and catching up on committed tokens), and their rows
     draft_forwards: int = 0
     draft_rows: int = 0
+    #: lookup branches with a draft model (``"lookup"``): requests whose step ran no draft forward
+    #: (``defer``), decode steps in which the draft ran none at all, and the verified trees' nodes and
+    #: accepted nodes by source (kinds below ``FILL_KIND``: lookup branches; ``FILL_KIND``: what fills them)
+    draft_deferred: int = 0
+    steps_without_draft_forward: int = 0
+    nodes_lookup: int = 0
+    accepted_lookup: int = 0
+    nodes_fill: int = 0
+    accepted_fill: int = 0
     #: committed tokens whose draft K/V an in-worker draft kept from its tree (not fed again),
     #: and how many of those it moved to their committed slot (accepted nodes off the first branch)
     draft_kv_kept: int = 0
@@ -361,11 +363,13 @@ class TreeRunnerMixin:
     @override
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         ran = self.execute_model_state is not None
+        forwards = self.tree_counts.draft_forwards
         output = super().sample_tokens(*args, **kwargs)
         if ran and self.draft_runtime is not None:
             # Every step, drafting or not (vLLM skips the drafter on some steps):
             # blocks the target computed must hold the draft's K/V before a prefix hit reuses them.
             self.draft_runtime.sync_step()
+            self.tree_counts.steps_without_draft_forward += self.tree_counts.draft_forwards == forwards
         return output
 
     @override
@@ -710,6 +714,12 @@ class TreeRunnerMixin:
         counts.nodes += tree.num_nodes
         counts.depth_sum += tree.max_depth
         counts.accepted += int(path.size)
+        if tree.kinds is not None:
+            fill = tree.kinds >= FILL_KIND  # [nodes]
+            counts.nodes_fill += int(fill.sum())
+            counts.nodes_lookup += int(fill.size - fill.sum())
+            counts.accepted_fill += int(fill[path].sum())
+            counts.accepted_lookup += int(path.size - fill[path].sum())
         first_children = {int(p): int(np.argmax(tree.parents == p)) for p in tree.parents[path]}
         counts.accepted_off_first_branch += sum(first_children[int(tree.parents[n])] != int(n) for n in path)
 

@@ -1,33 +1,23 @@
 """Tree prompts: a draft tree appended to a prompt, scored in one prefill.
 
-Speculative beam search (:mod:`vllm_specbeam.adapter.beam_search`) keeps ``W`` target
-beams that are different sequences; vLLM keeps one sequence per request. So
-each beam is submitted as an ordinary request whose prompt is the beam's
-tokens followed by the flattened draft tree below it, with the tree's parents
-in ``SamplingParams.extra_args[TREE_PARENTS_KEY]``. The plugin's runner gives
-those last prompt rows depth-based positions and ancestor-only attention, the
-same treatment draft trees get in a decode step, and vLLM's own prompt
-logprobs return the target's top tokens at every tree row. All beams of all
-prompts go into one ``generate`` call, so the whole forest is verified in one
-target pass, and the beams share their common prompt's KV blocks through
-vLLM's prefix cache.
+The speculative beam search (:mod:`vllm_specbeam.adapter.beam_search`) submits
+each beam as an ordinary request whose prompt is the beam's tokens followed
+by the flattened draft tree, the tree's parents in
+``SamplingParams.extra_args[TREE_PARENTS_KEY]``. The runner gives those rows
+depth-based positions and ancestor-only attention, and vLLM's prompt
+logprobs return the target's top tokens at every tree row: one ``generate``
+verifies the whole forest in one target pass.
 
 Two things keep this exact:
 
-* **the root row is computed.** The distribution after the beam's last token
-  (the tree's root) is read off the root row; the row must not come from the
-  prefix cache. :func:`block_hash_extra_keys` gives every cache block that
-  holds the root or a tree row a key unique to the request, so no later
-  request can hit those blocks either: their keys were computed with tree
-  positions and masks, and must never serve a linear sequence that happens to
-  have the same tokens.
-* **prompt logprobs are read from the end.** The plugin's runner returns a
-  tree-prompt request's prompt logprobs at the root and the tree's rows only
-  (``num_nodes`` entries after vLLM's leading ``None``; vLLM's own would cover
-  every row it computed), so the last ``num_nodes`` entries are the tree's.
-  Entry ``k`` of them was computed at the row *before* tree token ``k`` in
-  the flattened order (the root, then node ``k - 1``): its top tokens are the
-  target's distribution at that row, whatever token comes next in the list.
+* **the root row is computed**: :func:`block_hash_extra_keys` gives every
+  cache block holding the root or a tree row a key unique to the request, so
+  it is never served from, nor serves, the prefix cache (its rows were
+  computed with tree positions and masks);
+* **prompt logprobs are read from the end**: the runner returns a tree
+  prompt's logprobs at the root and the tree's rows only, so the last
+  ``num_nodes`` entries are the tree's; entry ``k`` was computed at the row
+  *before* tree token ``k`` (the root, then node ``k - 1``).
 """
 
 from __future__ import annotations

@@ -1,50 +1,24 @@
 """The vLLM releases the plugin runs on, 0.32.x and 0.33.x, and every way they differ for it.
 
 The plugin's targets (:mod:`vllm_specbeam.adapter.patches`) were read from
-vLLM 0.32.0 and are all found, with the same kinds and every ``@override``d
-method, in 0.33.0 (``tools/check_vllm_033.sh``). The runner, workers,
-attention backends, scheduler hook and the ``custom_class`` spec-config
-translation are unchanged for what the plugin uses. What does differ is
-listed here, each with the vLLM source it was read from (the 0.32.0 and
-0.33.0 wheels), and handled here; no other module asks which vLLM runs.
+vLLM 0.32.0 and are all found in 0.33.0 (``tools/check_vllm_033.sh``). What
+differs is handled here, each function naming the vLLM source it was read
+from; no other module asks which vLLM runs:
 
-1. ``create_sort_beams_key_function`` (entrypoints/generate/beam_search/utils.py):
-   0.32 takes ``(eos_token_id, length_penalty)`` and divides a beam's
-   cumulative logprob by its length *including the prompt*, less one for a
-   final EOS; 0.33 takes ``(length_penalty)`` and divides by the generated
-   tokens including a final EOS (``len(beam.logprobs)``). :func:`sort_key`.
-2. The EOS set (utils.py ``get_beam_search_eos_token_ids``, new in 0.33, used
-   by offline.py ``LLM.beam_search`` and online.py
-   ``BeamSearchOnlineMixin.beam_search``): 0.33 ends a beam on the tokenizer's
-   EOS *or* any ``eos_token_id`` of the model's generation config; 0.32 on the
-   tokenizer's only. :func:`beam_eos_token_ids`.
-3. ``BeamSearchParams.allowed_token_ids`` (sampling_params.py, new in 0.33,
-   with ``configure_logprobs``): scored from exact-ID logprobs, which vLLM 0.33
-   refuses on any speculative engine and outside the V2 model runner. The
-   speculative search cannot replay it, so such requests run vLLM's own beam
-   search. :func:`beam_allowlist`.
-4. ``priority`` (online.py ``BeamSearchOnlineMixin.beam_search``, offline.py
-   ``LLM.beam_search``): new in 0.33 and passed to every step's request. Both
-   releases' ``AsyncLLM.generate`` / ``LLM.generate`` take it (default 0), so
-   the plugin's beam searches accept and pass it on under either release.
-5. ``VllmConfig._set_max_num_scheduled_tokens`` (config/vllm.py): 0.33
-   refuses ``max_num_batched_tokens <= num_lookahead_tokens`` (0.32 compared
-   with ``SpeculativeConfig.max_num_new_slots_for_drafting``, 0 for
-   ``custom_class``); the plugin raises the lookahead for draft-model methods.
-   :attr:`Release.refuses_lookahead_at_batch_limit`.
-6. ``VllmConfig._reject_mismatched_float_kv_cache`` (config/vllm.py, new in
-   0.33, run by ``__post_init__``, so by ``dataclasses.replace``): an explicit
-   ``kv_cache_dtype`` of float16/bfloat16 must equal the model's dtype, the
-   draft's too, since the in-worker draft's config is a replace of the
-   target's. :func:`draft_kv_cache_problem`.
-7. Triton split-K decode (v1/attention/backends/triton_attn.py
-   ``TritonAttentionMetadataBuilder.__init__``,
-   v1/attention/ops/triton_unified_attention.py ``MAX_3D_QUERY_LEN``): 0.33
-   also runs causal queries of up to 8 tokens per request on the split-K path
-   and sizes its scratch by ``1 + num_speculative_tokens`` (at most 8) rows a
-   sequence. The carrier's ``num_speculative_tokens`` is ``max_nodes``, so the
-   scratch is 8 rows a sequence; steps whose trees are all chains (the only
-   multi-token steps on vLLM's kernel) stay causal and correct. No change.
+1. the beam sort key's length normalisation (utils.py
+   ``create_sort_beams_key_function``): :func:`sort_key`;
+2. the beam search's EOS set (0.33 adds the generation config's):
+   :func:`beam_eos_token_ids`;
+3. 0.33's ``BeamSearchParams.allowed_token_ids``, which the speculative search
+   cannot replay: :func:`beam_allowlist`;
+4. 0.33's ``priority``, accepted and passed on under either release;
+5. 0.33 refuses ``max_num_batched_tokens <= num_lookahead_tokens``:
+   :attr:`Release.refuses_lookahead_at_batch_limit`;
+6. 0.33's float KV-cache dtype must equal the model's, the draft's too:
+   :func:`draft_kv_cache_problem`;
+7. 0.33's Triton split-K decode sizes its scratch by
+   ``1 + num_speculative_tokens`` (at most 8) rows; all-chain steps stay
+   causal and correct there. No change needed.
 """
 
 from __future__ import annotations

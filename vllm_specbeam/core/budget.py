@@ -1,55 +1,25 @@
 """Each step's draft nodes, chosen from measured costs (``"max_nodes": "auto"``).
 
-A node is worth the probability that the target accepts it, which is the
-probability that its whole path is accepted. With ``c(k, d, r)`` the chance
-that a node of kind ``k`` at depth ``d``, ranked ``r`` among its siblings (0 =
-the drafter's favourite), is accepted when its parent was, a node is worth the
-product of ``c`` along its path. Kinds are the drafter's labels
-(``DraftTree.kinds``, 0 without them): ``lookup_tree`` tells its matches'
-lengths apart, ``aded`` also its search's nodes, so a 2-token match or a
-tri-gram guess is not valued like a 5-token match at the same depth and rank.
-A step that verifies ``R`` rows costs ``C(R)`` seconds and commits one token per
-request plus the accepted nodes, so the budget keeps the ``n`` most valuable
-nodes of the whole batch that maximise::
+A node is worth the probability that the target accepts its whole path: the
+product along the path of ``c(k, d, r)``, the chance that a node of kind
+``k`` (``DraftTree.kinds``) at depth ``d``, ranked ``r`` among its siblings, is
+accepted when its parent was. A step verifying ``R`` rows costs ``C(R)``
+seconds, so the budget keeps the ``n`` most valuable nodes of the batch that
+maximise::
 
     (requests + sum of the n best values) / C(rows without drafts + n)
 
-down to ``n = 0`` (no draft at all). Worked example: one request drafting a
-chain worth ``[0.9, 0.45, 0.2]`` with ``C(R) = 10 + 0.5R + 3 max(0, R - 3)`` ms
-(half a millisecond a row up to 3 rows, 3.5 past them): n = 0 gives
-1/10.5 = 0.095 tokens/ms, n = 1: 1.9/11 = 0.173, n = 2: 2.35/11.5 = 0.204,
-n = 3: 2.55/15 = 0.170, so two nodes are kept; were the fourth row as cheap as
-the others (12 ms), the third node would pay too (0.2125). Values never grow
-down a path (``c <= 1``) nor along siblings (``c`` is made non-increasing in
-rank), so the ``n`` best nodes always form trees hanging from the roots,
-siblings kept in the drafter's order (ties go to the earlier node: a parent
-before its children). Since the cost depends on ``n`` alone, the best ``n``
-nodes for each ``n`` are the best choice of that size, whatever ``C``'s shape.
+down to ``n = 0``. Values never grow down a path nor along siblings, so the
+``n`` best nodes always form trees hanging from the roots.
 
-``c`` is learnt per request from what the target committed after each draft:
-a node is a *trial* when its parent matched the committed tokens (or it hangs
-from the root) and the step committed that deep, a *hit* when it matched too.
-A request's rates are shrunk towards the engine-wide rates, so a new request
-starts from what the engine has seen. Pruned nodes are judged the same way,
-so a request whose drafts stopped paying notices when they pay again. Greedy
-requests accept exactly what matches; for sampled ones matching is the
-estimate (a deterministic draft token ``x`` is accepted with probability
-``p(x)``, the chance that the target samples it).
-
-``C`` is fitted to the engine's own decode steps, wall time against rows
-(:class:`StepCostModel`), so it follows the machine, the model and the batch.
-Its shape is flat, then rising: a line that bends up at a knee,
-``C(R) = a + b R + c max(0, R - K)`` with ``b, c >= 0``. A target's pass over a
-cached context costs about the same for a few rows as for one until the
-matrix units are full (bfloat16 on a CPU with AMX: 1.04x one row's time for
-16 rows, 1.48x for 64, Qwen2.5-Coder-1.5B, measured with vLLM 0.32's CPU
-build for issue #44), so a straight line through such
-steps would charge small trees for rows that are free and large ones too
-little past the knee. The knee is the candidate row count that fits best;
-before the rows have varied ``C`` is a straight line. Nothing here looks at a
-drafted token's value or at the target's probabilities: a pruned tree is one
-its drafter could have proposed, and a verifier's guarantee holds for it as
-for any other.
+``c`` is learnt per request from what the target committed after each draft
+(pruned nodes included), shrunk towards the engine-wide rates. ``C`` is
+fitted to the engine's own decode steps (:class:`StepCostModel`):
+``C(R) = a + b R + c max(0, R - K)``, ``b, c >= 0``, the knee ``K`` the
+candidate that fits best. Nothing here reads a drafted token's value or the
+target's probabilities, so a pruned tree is one its drafter could have
+proposed and every verifier's guarantee holds for it. Worked example and
+rationale: docs/budget.md.
 """
 
 from __future__ import annotations
@@ -74,6 +44,8 @@ REQUEST_DECAY = 0.97
 ENGINE_DECAY = 0.995
 #: a request whose drafts were pruned to nothing sits out 1, 3, 7 steps before drafting again
 MAX_IDLE_DOUBLINGS = 3
+#: the kind of the nodes that fill what lookup branches (kinds 0-2, by match length) leave: a draft model's
+FILL_KIND = 3
 
 
 @dataclass(frozen=True)
@@ -334,10 +306,7 @@ class StepBudget:
         """Keep the nodes of ``trees`` (one per request in ``req_ids``, of length
         ``num_tokens``) that pay for themselves in a step of ``batch_size``
         requests with ``other_rows`` draft rows the budget does not choose."""
-        shapes = [TreeShape.of(tree) for tree in trees]
-        for req_id, tree, shape, length in zip(req_ids, trees, shapes, num_tokens):
-            state = self.requests.setdefault(req_id, RequestBudget())
-            state.drafted, state.drafted_shape, state.drafted_at = tree, shape, length
+        shapes = [self.drafted(req_id, tree, length) for req_id, tree, length in zip(req_ids, trees, num_tokens)]
         if self.cost is None:  # nothing timed yet: the drafts as proposed
             kept = list(trees)
         else:
@@ -354,6 +323,43 @@ class StepBudget:
             state.idle = (1 << state.empty_streak) - 1
         return kept
 
+    def drafted(self, req_id: str, tree: DraftTree, num_tokens: int) -> TreeShape:
+        """Remember the tree drafted for ``req_id`` at length ``num_tokens``: the next step's
+        committed tokens (:meth:`observe_committed`) score its nodes. Returns its shape."""
+        state = self.requests.setdefault(req_id, RequestBudget())
+        state.drafted, state.drafted_shape, state.drafted_at = tree, TreeShape.of(tree), num_tokens
+        return state.drafted_shape
+
     def remove(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
+
+
+def lookup_first(
+    lookup: DraftTree, fill: DraftTree, budget: int, rates: np.ndarray, min_value: float
+) -> tuple[DraftTree, int]:
+    """Lookup branches first, ``fill`` (the largest tree a draft model may grow below the root,
+    its nodes drafted in order) gets what they leave: the lookup nodes kept, and how many of
+    ``fill``'s first nodes to draft.
+
+    Both hang from the root, ``fill``'s first level after the lookup's (its nodes are
+    :data:`FILL_KIND`), and every node is valued by :func:`path_values` under ``rates``
+    (:meth:`StepBudget.rates`). The ``budget`` most valuable nodes are kept, ties to the
+    lookup's; a fill node worth less than ``min_value`` is never kept. 0 (the lookup alone
+    fills the budget with nodes valued above the fill's, or the fill is worth too little):
+    the draft model does not run. Example: at rate 0.9 for lookup and 0.6 for fill nodes
+    everywhere, budget 3, a 2-node lookup chain (0.9, 0.81) and a fill chain (0.6, 0.36):
+    the lookup chain and 1 fill node; with ``min_value`` 0.7, no fill node.
+    """
+    kinds = np.full(lookup.num_nodes + fill.num_nodes, FILL_KIND)  # [nodes]
+    if lookup.kinds is not None:
+        kinds[: lookup.num_nodes] = lookup.kinds
+    parents = np.concatenate([lookup.parents, np.where(fill.parents == ROOT, ROOT, fill.parents + lookup.num_nodes)])
+    both = DraftTree(np.concatenate([lookup.tokens, fill.tokens]), parents, kinds=kinds)
+    values = np.asarray(path_values(TreeShape.of(both), rates))  # [nodes]
+    values[lookup.num_nodes :][values[lookup.num_nodes :] < min_value] = -np.inf
+    best = np.argsort(-values, kind="stable")[:budget]  # ties to the earlier node: the lookup's, a parent
+    best = best[np.isfinite(values[best])]
+    kept = np.zeros(lookup.num_nodes, bool)  # [lookup nodes]: a parent is never worth less than its child
+    kept[best[best < lookup.num_nodes]] = True
+    return (lookup if kept.all() else lookup.keep(kept)), int(np.sum(best >= lookup.num_nodes))

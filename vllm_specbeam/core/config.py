@@ -87,6 +87,19 @@ BUDGET_OPTIONS: dict[str, Option] = {
 }
 
 
+#: Options of draft-model methods whose trees start with lookup branches (``mcsd``).
+LOOKUP_OPTIONS: dict[str, Option] = {
+    "lookup": Option(
+        "off",
+        "start each tree with lookup_tree's branches, the draft model drafting only what they leave: "
+        "off, request (the request's own tokens) or global (also finished requests', engine-wide index)",
+        choices=("off", "request", "global"),
+        per_request=False,
+    ),
+    "lookup_depth": Option(16, "deepest lookup branch (a lowered num_speculative_tokens lowers it too)", 1, 64),
+}
+
+
 def node_cap(options: Mapping[str, Any]) -> int:
     """The most nodes a tree may have under these options: ``max_nodes``, or
     ``auto_max_nodes`` when the budget is automatic."""

@@ -43,6 +43,13 @@ class DraftRuntime(Protocol):
         """
         ...
 
+    def defer(self, req_ids: Iterable[str]) -> None:
+        """These requests run no draft forward this step (their trees need no draft node): their
+        committed tokens may wait for their next :meth:`sync_many`, which feeds whatever the draft
+        lacks. (The engine's runtime still feeds, at the step's end, the tokens that fill a block:
+        a prefix hit may read that block's draft K/V.)"""
+        ...
+
     def remove(self, req_ids: Iterable[str]) -> None:
         """Forget finished, aborted or preempted requests (unknown ids are ignored)."""
         ...

@@ -7,32 +7,13 @@ After verification, request ``r`` keeps the accepted rows ``row_0 < row_1 <
 ``cu_moves[r]:cu_moves[r + 1]`` of ``src_slots``/``dst_slots`` (build them
 with :func:`.reference.accepted_path_moves`).
 
-In place, without a scratch buffer: the moves of one request run *in order
-inside one program*. That is safe because target ``C + i`` never equals a
-later source (``C + row_j`` with ``row_j > row_i >= i``); what a target may
-equal is an *earlier* source, which was already read. Running a request's
-moves in parallel programs would race exactly there (e.g. rows ``[0, 2, 3]``:
-move 1 reads ``C + 2`` while move 2 writes it), so parallelism comes from the
-other axes: programs = requests x layers x chunks of the (head, content) row.
-
-Why a dedicated kernel instead of re-writing through the backend's own
-cache-update op (gather K/V at the sources, then
-``triton_reshape_and_cache_flash`` at the targets, per layer):
-
-* bytes: the op path reads the source, writes a scratch copy, reads it back
-  and writes the target (4x the moved bytes); this kernel reads and writes
-  once (2x);
-* launches: the op path costs >= 3 launches per layer (two gathers + the
-  write), i.e. ~100-250 per step for 32-80 layers, each ~3-5 us of launch
-  overhead for a few KB of work; this kernel is one launch for all layers
-  (one pointer table entry per layer);
-* it moves the whole packed content row, so inline per-token-head quant
-  scales (vLLM's ``*_per_token_head`` KV dtypes) travel with their data,
-  which the op path would have to re-quantize.
-
-The benchmark (``benchmarks/bench_kernels.py --gpu``) times both on hardware;
-no GPU was available when this was written, so the choice rests on the
-counts above (see docs/kernels.md).
+In place, without a scratch buffer: one request's moves run *in order inside
+one program*, which is safe because target ``C + i`` never equals a later
+source (``C + row_j``, ``row_j > row_i >= i``), only an earlier one, already
+read. Parallelism comes from the other axes: programs = requests x layers x
+chunks of the (head, content) row. It moves the whole packed content row, so
+inline per-token-head quant scales travel with their data. Why a kernel
+rather than vLLM's cache-update op, and what ran where: docs/kernels.md.
 """
 
 from __future__ import annotations

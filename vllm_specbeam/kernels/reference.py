@@ -1,54 +1,25 @@
 """Torch references for the tree-attention and KV-move kernels.
 
-Everything here is written for clarity, not speed: it is what the Triton
-kernels are tested against and what runs on machines without Triton/GPU.
+Written for clarity, not speed: what the Triton kernels are tested against
+and what runs on machines without Triton or a GPU. The paged KV-cache layout
+they read (vLLM's ``TRITON_ATTN`` backend: logical
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, strides from the
+resolved ``KVCacheLayout``) is described in docs/kernels.md.
 
-Paged KV-cache layout (vLLM 0.32, ``TRITON_ATTN`` backend)
-----------------------------------------------------------
-vLLM hands every attention layer one tensor ``kv_cache`` of *logical* shape
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]``: for each (block,
-head, slot) the key and the value are packed side by side in the last
-("content") dim. Its physical strides depend on the resolved
-``KVCacheLayout`` (``LBNHC`` by default, i.e. ``[block, slot, head, content]``
-in memory), so code must go through strides, never assume contiguity. The
-backend derives its two views with::
+Tree topology ("ancestor words"): per query row an ``int64[num_words]``
+bitmask, ``tree_mask[num_tokens, num_words]``. Bits index the request's
+*tree window*, the keys from ``B`` (``tree_base``) on: bit ``b`` of word ``w``
+is key ``B + j``, ``j = 64 * w + b``. With context ``C = seq_len - query_len``:
 
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
-    # both: [num_blocks, block_size, num_kv_heads, head_size], last dim stride 1
+* a row whose words are **all zero** is causal: it sees keys ``[0, C + row]``;
+* any other row is a **tree row**: it sees ``[0, B)`` plus key ``B + j`` for
+  every set bit ``j < seq_len - B``.
 
-and writes new tokens with ``triton_reshape_and_cache_flash(key, value,
-key_cache, value_cache, slot_mapping, ...)`` where ``slot = block_id *
-block_size + offset``. Token ``p`` of request ``r`` lives at slot
-``block_table[r, p // block_size] * block_size + p % block_size``.
-
-Tree topology ("ancestor words")
---------------------------------
-Per query row an ``int64[num_words]`` bitmask, ``tree_mask[num_tokens,
-num_words]``. Bits index the request's *tree window*, the keys from ``B``
-(``tree_base``) on: bit ``b`` of word ``w`` stands for key ``B + j``, ``j =
-64 * w + b``. For a request with ``query_len`` rows and ``seq_len`` keys
-(context ``C = seq_len - query_len``):
-
-* a row whose words are **all zero** is an ordinary causal row: it sees keys
-  ``[0, C + row]`` (so non-tree requests simply pass zeros);
-* any other row is a **tree row**: it sees every key before the window,
-  ``[0, B)``, plus key ``B + j`` for every set bit ``j < seq_len - B`` (its
-  ancestors and itself for a tree; any pattern for forests).
-
-``B`` defaults to ``C``, so bit ``j`` is the request's query row ``j`` (rows
-counted from its first scheduled row): a verification step's tree is exactly
-its rows. ``0 <= B < C`` serves a draft model drafting a tree depth by depth,
-whose rows are one depth while the ancestors at earlier depths sit in the
-cache between the committed context and the rows; the window then needs
-``cdiv(seq_len - B, 64)`` words. For example::
-
-    # a draft's depth-2 forward: context 10 (root at slot 9), depth-1 nodes
-    # in slots 10, 11, depth-2 nodes in slots 12, 13: query_len 2, seq_len 14
-    # (C = 12), tree_base 10; the node in slot 13, whose parent is in slot 11,
-    # has bits {1, 3}: it sees keys [0, 10) (root included), 11 and 13.
-
-The step's own keys are read from the paged cache, like the context, because
-vLLM writes all scheduled rows at positions ``C + row`` before attention.
+``B`` defaults to ``C`` (bit ``j`` is query row ``j``: a verification step's
+tree is its rows); ``0 <= B < C`` serves a draft drafting a tree depth by
+depth, whose ancestors at earlier depths sit in the cache between the
+context and the rows. The step's own keys are read from the paged cache,
+like the context, because vLLM writes all scheduled rows before attention.
 """
 
 from __future__ import annotations

@@ -1,33 +1,22 @@
 """Tree attention over vLLM's paged KV cache (Triton).
 
 One launch serves a whole mixed batch: requests verifying a draft tree (or a
-forest), plain decode requests and prefill chunks. Every key, including the
-keys of this step's own rows, is read from the paged cache through the block
-table, because vLLM writes all scheduled rows before attention runs. What
-differs between rows is only *which* keys they may see, given compactly by
-``tree_mask`` (see :mod:`vllm_specbeam.kernels.reference` for the format):
+forest), plain decodes and prefill chunks. Every key, this step's own
+included, is read from the paged cache through the block table. Rows differ
+only in which keys they see, given by ``tree_mask``
+(:mod:`vllm_specbeam.kernels.reference` has the format):
 
 * all-zero words -> causal row, keys ``[0, C + row]``;
 * otherwise      -> keys ``[0, B)`` plus ``B + j`` for each set bit
-  ``j < seq_len - B``, where the tree window starts at ``B = tree_base[r]``
-  (default ``C``; earlier when the window also holds keys of earlier
-  forwards, e.g. a draft's ancestors at previous depths).
+  ``j < seq_len - B``, with ``B = tree_base[r]`` (default ``C``).
 
-Program layout (same idea as vLLM's ``kernel_unified_attention_2d``): one
-program per (block of ``BLOCK_Q`` query rows, KV head, request). Its
-``BLOCK_M = BLOCK_Q * QPKV_PAD`` score rows are the query rows times the query
-heads sharing that KV head, so each K/V tile is loaded once for the whole GQA
-group. The key loop has two phases that share one online-softmax step:
-
-1. the dense prefix, keys ``[0, max_row(dense_len))`` in ``TILE_N`` tiles,
-   where ``dense_len`` is ``B`` for tree rows and ``C + row + 1`` for causal
-   rows (so causal rows are done after phase 1);
-2. the tree window, keys ``B + [64 w, 64 w + 64)`` for each mask word
-   ``w < cdiv(seq_len - B, 64)`` (skipped when the program holds no tree
-   row), masked bit by bit.
-
-Written for real GPUs; tested on CPU with ``TRITON_INTERPRET=1`` (see
-``docs/kernels.md`` for what ran where).
+One program per (block of ``BLOCK_Q`` query rows, KV head, request), as in
+vLLM's ``kernel_unified_attention_2d``: its score rows are the query rows
+times the query heads sharing that KV head, so each K/V tile is loaded once
+per GQA group. Two key phases share one online softmax: the dense prefix in
+``TILE_N`` tiles, then the tree window one 64-key mask word at a time
+(skipped when the program holds no tree row). Tested on CPU with
+``TRITON_INTERPRET=1`` (docs/kernels.md: what ran where).
 """
 
 from __future__ import annotations

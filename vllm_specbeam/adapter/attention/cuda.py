@@ -1,28 +1,22 @@
 """Tree attention on CUDA: an attention backend for vLLM's paged KV cache.
 
-vLLM 0.32 has no backend that takes a per-request tree mask (its Triton
-kernel's ``qq_bias`` is one ``[Q, Q]`` bias for the whole batch). This module
-adds one, as a subclass of vLLM's Triton backend registered in vLLM's
-``CUSTOM`` backend slot:
+vLLM has no backend that takes a per-request tree mask, so this module adds
+one, a subclass of vLLM's Triton backend registered in vLLM's ``CUSTOM`` slot:
 
 * in a verification step with trees (the runner's active
   :class:`GpuTreeStep`), the impl's forward runs the plugin's
   :func:`~vllm_specbeam.kernels.tree_attention.tree_attention` kernel for the
-  *whole* batch: tree rows that causal attention would get wrong get their
-  ancestor words, every other row all-zero words, which the kernel treats as
-  causal;
-* otherwise (prefills, plain decodes, steps whose trees are all chains, CUDA
-  graph capture) it is exactly vLLM's Triton path;
+  *whole* batch: tree rows get their ancestor words, every other row
+  all-zero words, which the kernel treats as causal;
+* otherwise (prefills, plain decodes, all-chain steps, CUDA graph capture)
+  it is exactly vLLM's Triton path;
 * the KV-cache write is always vLLM's (``do_kv_cache_update`` is inherited).
 
-The step's ancestor words are built on the host once per step
-(:meth:`GpuTreeStep.build`) and copied to the device once; every layer reads
-the same tensor. They are built on the host, so attention must run outside
-CUDA graphs: eager or ``PIECEWISE`` cudagraph mode (vLLM splits the captured
-graphs at attention), never full CUDA graphs (the engine configuration,
-:func:`vllm_specbeam.adapter.engine_config.configure_engine`, selects this
-backend and picks or checks the mode; the metadata builder declares no
-full-graph support).
+The ancestor words are built on the host once per step
+(:meth:`GpuTreeStep.build`) and copied to the device once, so attention runs
+outside CUDA graphs: eager or ``PIECEWISE``, never full graphs
+(:func:`vllm_specbeam.adapter.engine_config.configure_engine` picks or checks
+the mode; the metadata builder declares no full-graph support).
 """
 
 from __future__ import annotations

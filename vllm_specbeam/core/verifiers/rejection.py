@@ -1,46 +1,27 @@
 """Lossless stochastic tree acceptance: recursive rejection sampling.
 
-The rule of SpecInfer's multi-step speculative sampling and of MCSD: at a
-node, try its children in draft order against a residual ``r`` (initially the
-target ``p`` at the node). Child ``x`` drawn from ``q`` is accepted with
-probability ``min(1, r(x) / q(x))``; on rejection ``r <- norm(max(r - q, 0))``
-and, for children drawn without replacement, ``q(x) <- 0`` and ``q`` is
-renormalised. An accepted child is descended into with a fresh ``r = p``;
-when every child is rejected the committed token is drawn from the final
-``r``, and below an accepted leaf the bonus token is drawn from ``p``.
+The rule of SpecInfer and MCSD: at a node, try its children in draft order
+against a residual ``r`` (initially the target ``p``). Child ``x`` drawn from
+``q`` is accepted with probability ``min(1, r(x) / q(x))``; on rejection
+``r <- norm(max(r - q, 0))``. An accepted child is descended into with
+``r = p``; when every child is rejected the committed token is drawn from
+the final ``r``, below an accepted leaf from ``p``.
 
-The constructor option ``without_replacement`` picks the update; the
-enumeration tests (``tests/test_verifiers_sampling.py``) check both claims:
+``without_replacement`` picks the update (``tests/test_verifiers_sampling.py``
+checks both by exact enumeration):
 
 * ``True`` (default): also zero the tried tokens in ``q`` and skip a child
-  whose token was already tried (it has no draft mass left). This is exact
-  for every sibling law the drafters here produce: draws without
-  replacement, i.i.d. draws (a repeat is skipped, i.e. de-duplicated), i.i.d.
-  draws de-duplicated by the drafter (what :meth:`DraftTree.from_paths` does
-  to sampled paths), and one child per draft model (SpecInfer). In each, a
-  child that is new is distributed as its row restricted to the untried
-  tokens, and whether it is new depends only on siblings already tried.
-  A ``draft_probs`` row may hold the full ``q`` or ``q`` with the earlier
-  siblings already removed: zeroing them again is a no-op.
-* ``False``: the plain update ``r <- norm(max(r - q, 0))`` for every child,
-  repeats included (a repeat is never accepted, the first copy's rejection
-  zeroed ``r`` there, but its residual update is part of why the rule is
-  exact). Exact only when siblings are independent draws (i.i.d., or one per
-  draft model); on i.i.d. stars it accepted at least as much as ``True`` in
-  our enumerations, since a repeat still narrows the residual. It is *not* exact
-  for siblings drawn or de-duplicated to be distinct.
+  whose token was already tried. Exact for draws without replacement, i.i.d.
+  draws (repeats skipped), de-duplicated i.i.d. draws and one child per
+  draft model.
+* ``False``: the plain update for every child, repeats included. Exact only
+  when siblings are independent draws; *not* for siblings drawn or
+  de-duplicated to be distinct.
 
-Deterministic children (trees without ``draft_probs``) use the point mass on
-the tried token as ``q``; both options then give the same, exact rule, and a
-repeated sibling is simply never accepted. A tree mixing deterministic and
-sampled nodes (MCSD's target-initialised first level under sampled chains)
-gives its deterministic nodes one-hot ``draft_probs`` rows, which is the same
-thing.
-
-Everything the rule decides before drawing randomness is computed for all
-nodes of the batch at once (:func:`acceptance_table`, vectorised over nodes
-and the vocabulary, looping only over sibling rank); sampling then needs one
-uniform per node and one per request.
+Deterministic children use the point mass on the tried token as ``q``.
+Everything decided before drawing randomness is computed for all nodes at
+once (:func:`acceptance_table`); sampling needs one uniform per node and
+one per request.
 """
 
 from __future__ import annotations

@@ -1,65 +1,22 @@
 """ADED: adaptive tri-gram drafting with Monte Carlo tree search, no draft model.
 
 Each step, per request: the tri-grams committed since the last step raise
-their weight in the request's overlay (see :mod:`vllm_specbeam.methods.aded.trigram`),
-then an MCTS (see :mod:`vllm_specbeam.methods.aded.mcts`) below the last two tokens
-builds the draft tree. The corpus matrix is optional: without one, drafts
-come from the request's own prompt and output, like prompt lookup but with
-a search over branches.
+their weight in the request's overlay (:mod:`vllm_specbeam.methods.aded.trigram`);
+the tree starts with what ``lookup_tree`` would draft (the continuations of
+every earlier occurrence of the request's longest recent n-gram,
+``prompt_lookup_min`` to ``prompt_lookup_max`` tokens; 0: none, the paper's
+search alone); then an MCTS (:mod:`vllm_specbeam.methods.aded.mcts`) below the
+last two tokens fills the rest of the node budget, with walks in proportion
+to the nodes left to it. A request whose last search drafted no node of its
+own that the target went on to commit rests its search (:class:`SearchRest`).
 
-Before the search, the tree gets what ``lookup_tree`` would draft: the
-continuations of every earlier occurrence, in the request's own tokens, of
-its longest recent n-gram (``prompt_lookup_min`` to ``prompt_lookup_max``
-tokens). A tri-gram state only remembers two tokens, so below a repeated
-line the search wanders off along whichever successor of the last two
-tokens is most common, while the earlier occurrence says exactly how the
-line went on. Those branches come first (the node budget keeps them first;
-the per-step budget learns their acceptance by match length, apart from the
-search's nodes: ``DraftTree.kinds``), the search
-fills the rest of the budget and only runs for what is left (a budget the
-matches already fill runs no search at all). ``"prompt_lookup_max": 0`` is
-the paper's tri-gram search alone. (An extension of the paper, measured in
-docs/measurements.md.)
+With a ``trigram`` corpus, each drafted node is attributed to the source of
+its larger share (corpus or the request's own tri-grams); what the target
+keeps of each scales the corpus for that request (``corpus_weight``).
 
-Adaptation counts each committed tri-gram once, when it is committed: a new
-request's whole prompt (or its last ``adapt_window`` tokens, when set and
-there is a corpus), then the tokens each step adds. The paper re-raises every tri-gram of the sliding 16-token window
-at every step instead; counting once is ``O(new tokens)`` per step and does not
-make a tri-gram's weight depend on how many tokens the steps around it
-happened to accept.
-
-The search's walks follow the step's node budget: ``iterations`` is what a
-tree of the engine's full ``max_nodes`` gets: a step that may only draft 4
-of 16 nodes runs a quarter of them, one whose budget the prompt-lookup
-branches already fill runs none. A step that drafts one or two tokens needs
-only the best one or two paths, and the runner asks for small trees exactly
-when drafting does not pay. Below a passage the request repeats, the walks
-mostly rediscover the prompt-lookup branches, which merge away (measured in
-docs/measurements.md), and what they add beyond them is seldom what the
-target goes on to commit, so a request whose last search drafted no node
-of its own that the target then committed rests its search
-(:class:`SearchRest`).
-
-With a corpus, two sources propose successors: the corpus matrix and the
-request's own tri-grams (its overlay, and the shared one). Each drafted node
-is attributed to the source of its larger share (see
-:meth:`~vllm_specbeam.methods.aded.trigram.TrigramMatrix.lookup`); at the next
-step the request's new committed tokens show which nodes the target checked
-(the children of the root and of every kept node) and which it kept. Every
-corpus probability is then scaled by the corpus's acceptance *relative to*
-the request's own (``corpus_weight``, 1 at the start): a corpus the target
-rejects for this request sinks below the request's own tri-grams within a
-few steps, one it keeps rises above them. Scoring a draft is ``O(its depth x
-its nodes)`` per step and the counts decay, so a source can recover. With
-this weighting the whole prompt seeds the request's tri-grams with a corpus
-too (``adapt_window`` 0; it was 16): the prompt's own tri-grams missing was
-most of why a corpus used to cost acceptance.
-
-The target's tokenizer comes in as the ``tokenizer`` *option* (a name or
-path), not as a constructor argument: options are what travel from the front
-end to the workers as plain JSON, and the engine can fill this one from the
-target model's config before the drafter exists. It is only read when a
-``trigram`` matrix is given, to refuse a matrix built with another vocabulary.
+The target's tokenizer comes in as the ``tokenizer`` *option*, filled from
+the target model in the front end, and is read only to refuse a matrix
+built with another vocabulary. Design and figures: docs/methods/aded.md.
 """
 
 from __future__ import annotations

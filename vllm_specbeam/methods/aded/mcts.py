@@ -1,35 +1,23 @@
 """ADED's draft-tree construction: Monte Carlo tree search over tri-gram successors.
 
 A search node is a token sequence below the request's last two tokens; its
-children are the tri-gram successors of its last two tokens, with the tri-gram
-probability as prior ``P``. Each walk goes down by
+children are the tri-gram successors of its last two tokens, with the
+tri-gram probability as prior ``P``. Each walk goes down by
 
     Q/N + (c1 + ln((N_parent + c2 + 1) / c2)) * P * sqrt(N_parent) / (1 + N)
 
-(``Q`` the child's summed reward, ``N`` its visits, ``Q/N = 0`` when unvisited),
-expands the node it stops at, finishes the draft by sampling tri-gram
-successors, and backs up the reward ``1 + sum of P`` along the whole draft.
-The search spends its walks where drafts are long *and* probable, while the
-prior term keeps it trying less likely branches.
+expands the node it stops at, finishes the draft by sampling successors, and
+backs up the reward ``1 + sum of P``. The draft tree is the most-visited
+root-to-leaf paths, each extended by one greedy token, merged most-visited
+first.
 
-The draft tree is made of the most-visited root-to-leaf paths of the search
-(the visit count of a path is its leaf's: counts only shrink going down),
-each extended by one greedy token, merged most-visited first.
-
-Speed: the walks run in a few *waves* (``sqrt(iterations) / 4`` of them)
-that are selected together, level by level, as numpy operations over every
-node the wave stands on, then rolled out and backed up together. Inside a
-wave a walk sent to a child counts as a visit without reward for the next
-walk (a "virtual visit"), and since a child's score only falls with its
-visits, the ``m`` walks on a node go to the top ``m`` of its children's scores
-at ``0, 1, ..., m - 1`` virtual visits: the choices ``m`` one-by-one argmaxes
-would make, with the parent's count taken as ``N_parent + m - 1`` for all of
-them. A wave of one walk is exactly the sequential search (``tests/test_aded.py``
-checks it against a one-walk-at-a-time reference, and a wave against
-one-by-one argmaxes).
-Successors are looked up once per state reached and kept as padded table rows
-(``_States``), so the roll-outs are table lookups too; the Python left per
-search is one lookup per new state and a few numpy calls per wave and level.
+The walks run in ``sqrt(iterations) / 4`` *waves* selected together with
+numpy, level by level; inside a wave a walk counts as a virtual visit for the
+next, so the ``m`` walks on a node go to the top ``m`` of its children's scores
+at ``0 .. m - 1`` virtual visits, what ``m`` one-by-one argmaxes would choose.
+A wave of one walk is exactly the sequential search (``tests/test_aded.py``
+checks both). Successors are kept as padded table rows (``_States``), so
+roll-outs are table lookups.
 """
 
 from __future__ import annotations

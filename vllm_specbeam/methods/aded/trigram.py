@@ -1,35 +1,20 @@
 """ADED's tri-gram matrix: ``P(w3 | w1, w2)`` from a corpus, plus adaptive overlays.
 
 The *base* matrix is built once, offline, from a corpus tokenised with the
-target's tokenizer, and shared read-only by every request of every worker.
-It is stored as CSR-style numpy arrays so that a matrix from hundreds of MB of
-text opens in well under a second with memory mapping (pages are read on
-first use, and the OS shares them between processes):
+target's tokenizer, and shared read-only by every request of every worker,
+as memory-mapped CSR-style numpy arrays:
 
 * ``keys.npy``       int64, sorted: ``w1 * vocab_size + w2``
-* ``offsets.npy``    int64, ``len(keys) + 1``: successors of ``keys[i]`` are
-  entries ``offsets[i]:offsets[i + 1]``
+* ``offsets.npy``    int64: successors of ``keys[i]`` are ``offsets[i]:offsets[i + 1]``
 * ``successors.npy`` int32, per key most probable first
-* ``probs.npy``      float32, ``count(w1 w2 w3) / count(w1 w2 *)``: only the
-  top ``top_k`` successors are kept, so a key's probabilities sum to <= 1
-* ``meta.json``      tokenizer identity (name, vocab size, vocabulary hash),
-  ``top_k`` and the build statistics
+* ``probs.npy``      float32, ``count(w1 w2 w3) / count(w1 w2 *)``, top ``top_k`` kept
+* ``meta.json``      tokenizer identity, ``top_k`` and the build statistics
 
-*Adaptive update* (ADED's "the matrix tracks the model's outputs"): tri-grams
-seen in a request's recent context gain ``step`` (0.04) each time they are
-seen, up to ``cap``. These gains live in an :class:`Overlay` (a small dict)
-per request, or one shared by all requests when the user opts in, and are
-merged with the base at lookup time; the base is never written. The base's
-share is first scaled by the request's ``corpus_weight``, which the drafter
-learns from how often the target keeps the corpus's nodes against the
-request's own (see :mod:`vllm_specbeam.methods.aded.drafter`). Lookups are
-batched: the search asks for all the new states of one step of its walks at once.
-
-The cap (default :data:`DEFAULT_ADAPT_CAP` = 0.5, reached after 13 sightings)
-keeps a pattern the model repeats from taking over completely: a successor the
-corpus is sure of (``p`` near 1) still outweighs one seen a dozen times in
-this request, while a successor the corpus never saw can still become the
-favourite of a key whose corpus distribution is flat.
+*Adaptive update*: tri-grams a request commits gain ``step`` each time, up to
+``cap`` (:data:`DEFAULT_ADAPT_CAP`: a successor the corpus is sure of still
+outweighs one seen a dozen times), in an :class:`Overlay` per request (or one
+shared), merged with the base at lookup time, the base scaled by the
+request's ``corpus_weight``; the base is never written. Lookups are batched.
 """
 
 from __future__ import annotations

@@ -1,31 +1,23 @@
 """DSBD drafting: beam sampling with the draft model, drafted as a forest.
 
-All requests of a step are drafted together, one draft-model forward per
-depth (a forward of a few rows per request is bound by reading the weights, so
-``B`` requests in one forward cost little more than one):
-:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.sync_many` feeds every request's tokens committed
-since the last step and gives each ``q(. | context)``; then for every depth,
-per request, the draft joint over (beam, token) pairs is formed from the
-beams' scores and their ``q`` rows, ``max_width`` pairs are drawn i.i.d. from
-it (with replacement, as beam sampling does), and the new beams of all
-requests still drafting are fed to the draft model as one level of their
-trees (:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.extend_many`) to get their own ``q`` rows.
+All requests of a step are drafted together, one draft forward per depth:
+:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.sync_many` gives each
+request ``q(. | context)``; at every depth, per request, ``max_width`` (beam,
+token) pairs are drawn i.i.d. from the draft joint over the beams' scores and
+``q`` rows (with replacement, as beam sampling does), and all requests' new
+beams go to the draft as one level
+(:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.extend_many`).
 ``max_width`` pairs are drawn at every depth because the target decides how
-many it keeps (:func:`vllm_specbeam.methods.dsbd.maths.choose_width` needs the target's
-joint); ``max_nodes`` cuts the last depths short. Requests differ in widths,
-depths and temperatures (their own options); one that is out of depths just
-leaves the batch.
+many it keeps (:func:`vllm_specbeam.methods.dsbd.maths.choose_width`);
+``max_nodes`` cuts the last depths short. Requests differ in widths, depths
+and temperatures; one out of depths leaves the batch.
 
-Greedy requests (temperature 0 and no ``draft_temperature``) run beam
-*search* instead: the ``max_width`` best pairs of the joint log-score, all
-distinct, without draft rows (the greedy verifier reads tokens only), and of
-those only the ones within ``prune_ratio`` (default 0.3) of the depth's best,
-so a depth where the draft is sure drafts one pair and ``max_nodes`` lasts
-more depths.
+Greedy requests (temperature 0, no ``draft_temperature``) run beam *search*:
+the ``max_width`` best distinct pairs of the joint log-score, without draft
+rows, keeping those within ``prune_ratio`` of the depth's best.
 
-Draws come from the drafter's one generator (see
-:class:`~vllm_specbeam.draft_runtime.drafter.DraftModelDrafter`), taken depth
-by depth, requests in the order given, so a seed fixes them all.
+Draws come from the drafter's one generator, depth by depth, requests in the
+order given, so a seed fixes them all.
 """
 
 from __future__ import annotations

@@ -1,52 +1,24 @@
 """DSBD's algorithmic core: the beam forest, per-depth verification, adaptive width.
 
-Dynamic-width speculative beam decoding (Qin et al., arXiv 2409.16560): the
-draft model runs beam sampling, the target checks at every depth that the
-drafted (beam, token) pairs are draws from *its* beam-sampling distribution,
-and the width of the target's beams adapts to how many pairs it can expect
-to accept.
+Dynamic-width speculative beam decoding (Qin et al., arXiv 2409.16560). At
+depth ``t`` the live beams ``b`` carry scores ``S_b`` and the joint over pairs
+is ``P_t(b, x) = softmax_b(S_b) * p(x | b)``, with ``p`` the request's sampling
+distribution *per row* (as vLLM's sampler hands it over); the draft mirrors
+it with ``q``. Beams are drawn i.i.d. from the joint.
 
-**Beam sampling here.** At depth ``t`` the live beams ``b`` (one: the
-committed context, at ``t = 1``) carry scores ``S_b``, the sum of the
-log-probabilities of their tokens so far, and the joint over pairs is
-``P_t(b, x) = softmax_b(S_b) * p(x | b)``, i.e. ``norm(exp(S_b + log p(x | b)))``.
-``p`` is the request's sampling distribution *per row* (temperature, top-k
-and top-p applied to each beam's next-token distribution), because that is
-what vLLM's sampler hands the verifier; the paper applies them to the joint
-instead. The draft side mirrors it with ``q`` and its own scores ``s_b``.
-Beams are drawn i.i.d. (with replacement) from the joint, so two beams may
-hold the same tokens; they are then two nodes of the forest.
+* :func:`verify_depth`: the drafted pairs are checked in order against a
+  current target ``r``: accept with ``min(1, r(j) / Q(j))``; on rejection
+  ``r <- norm(max(r - Q, 0))``, after an acceptance ``r <- P``. Each output
+  beam is an exact, independent draw from ``P``; ``r`` is always one of
+  :func:`residual_chain`'s.
+* :func:`choose_width`: ``W_t = max(min_w, max{n : Pr[K >= n] >= tau})``
+  beams for ``K`` the pairs accepted of ``m`` drafted
+  (:func:`count_distribution`), chosen during verification.
+* :class:`BeamForest`: a :class:`DraftTree` whose depth-``t`` nodes are the
+  pairs drafted at depth ``t``, children of their beams in draw order;
+  ``next_probs`` keeps ``q`` for beams that drew no child.
 
-**Per-depth verification** (:func:`verify_depth`): the drafted pairs are
-i.i.d. draws from the draft joint ``Q``. They are checked in order against a
-current target ``r``: accept with ``min(1, r(j) / Q(j))``; on rejection
-``r <- norm(max(r - Q, 0))``, after an acceptance ``r <- P``. This is the
-multi-draft rule for i.i.d. drafts run once per output beam: each output
-beam is an exact, independent draw from ``P`` (see ``tests/test_dsbd.py``).
-Because the update never depends on *which* pair was rejected, ``r`` is
-always one of the chain ``r_0 = P, r_{i+1} = norm(max(r_i - Q, 0))``
-(:func:`residual_chain`), indexed by the rejections since the last
-acceptance; the same chain gives the width rule its acceptance rates
-``alpha_i = sum min(r_{i-1}, Q)``.
-
-**Adaptive width** (:func:`choose_width`): with ``K`` the number of pairs the
-process accepts out of the ``m`` drafted, the depth keeps
-``W_t = max(min_w, max{n : Pr[K >= n] >= tau})`` beams (at most ``m``),
-checking pairs until ``W_t`` are accepted. The width needs ``P``, which only
-exists once the target has scored the forest, so it is chosen during
-verification (as in the authors' code): the drafter draws ``max_width``
-pairs at every depth and the verifier decides how many to keep.
-:func:`count_distribution` is the formula of the paper with the residual
-applied once per draft (the authors' code applies it twice).
-
-**The forest** (:class:`BeamForest`): a :class:`DraftTree` whose depth-``t``
-nodes are the pairs drafted at depth ``t``, each a child of its beam, in
-draw order. ``draft_probs[i]`` is ``q(. | parent)`` as for every tree; the
-beam weights are not stored, they follow from ``draft_probs`` (``s_b`` is a
-sum of logs of drafted entries). A beam that drew no child still needs its
-``q`` for the residual over the joint, hence ``next_probs``. Given the
-parents, children are i.i.d. draws from ``q(. | parent)``, so the lossless
-rejection verifier can also verify a forest exactly.
+Derivations and figures: docs/methods/dsbd.md.
 """
 
 from __future__ import annotations

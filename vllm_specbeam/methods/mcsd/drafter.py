@@ -1,34 +1,27 @@
 """MCSD drafting: multi-candidate trees with dynamic depth.
 
 Per request and step the draft grows the ``k_config`` tree level by level
-(:mod:`vllm_specbeam.methods.mcsd.maths`): each frontier node gets its
-``k`` best tokens (greedy) or ``k`` draws without replacement from ``q``
-(sampling), and all requests' new levels go through the draft model in one
-forward (:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.extend_many`).
+(:mod:`vllm_specbeam.methods.mcsd.maths`): each frontier node gets its ``k`` best
+tokens (greedy) or ``k`` draws without replacement from ``q`` (sampling), all
+requests' new levels in one draft forward
+(:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.extend_many`).
 
-**Dynamic depth.** Before a request's next level is added, a stopping rule
-scores each frontier node's ``q`` row: the estimated probability that the
-token the draft proposes from it is accepted. Drafting goes on while some
-frontier node scores at least ``stop_threshold`` (Lu et al. 2024). The score
-is a trained stop model's (:mod:`vllm_specbeam.methods.mcsd.stopping`,
-``vllm-specbeam mcsd train``) or, without one, the draft's own top-1
-probability. The first level is always drafted.
+**Dynamic depth.** Before a next level, a stopping rule scores each frontier
+node's ``q`` row (the estimated acceptance of the token drafted from it): drafting
+goes on while some node scores at least ``stop_threshold`` (Lu et al. 2024). The
+score is a trained stop model's (:mod:`~vllm_specbeam.methods.mcsd.stopping`) or
+the draft's top-1 probability. The first level is always drafted.
 
-**Target-initialised candidates.** Lu et al. take the first level from the
-target's distribution at the root. Here that level is already in hand: each
-step commits one token drawn from the target there (the bonus or correction
-token), and drafting starts below it. More target candidates at that
-position would never be used losslessly: at temperature 0 only the argmax
-can be committed, and when sampling, the multi-draft rule accepts the first
-candidate drawn from ``p`` itself with probability ``min(1, p/p) = 1``, so
-the others are never tried. The paper's ``[W, 1, 1, ...]`` shape is
-therefore ``k_config: [1]`` here.
+**Target-initialised candidates.** Lu et al.'s first level from the target is the
+token each step commits already, so their ``[W, 1, 1, ...]`` is ``k_config: [1]``
+here (rationale: docs/mcsd.md).
 
-**Stop-model data.** With ``collect`` on, every ``q`` row the drafter scores
-is recorded with its features and, once the next step shows which tokens
-were committed, labelled "the target committed the draft's top token there"
-(rows off the committed path are dropped: their children were never tested).
-``vllm-specbeam mcsd train`` reads them through :meth:`McsdDrafter.take_collected`.
+**Lookup branches** (``"lookup": "request" | "global"``): the tree starts with
+``lookup_tree``'s branches and the draft fills what they leave, or does not run
+(:mod:`vllm_specbeam.draft_runtime.lookup`).
+
+**Stop-model data.** With ``collect`` on, scored ``q`` rows are labelled at the next
+step (did the target commit the row's top token) for ``vllm-specbeam mcsd train``.
 """
 
 from __future__ import annotations
@@ -41,9 +34,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from vllm_specbeam.core.config import Option, SpecbeamConfigError
+from vllm_specbeam.core.config import LOOKUP_OPTIONS, Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.draft_runtime import lookup as lookup_branches
+from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.draft_runtime.drafter import (
     DRAFT_MODEL_OPTIONS,
     GREEDY_EPS,
@@ -91,8 +86,18 @@ class _Scored:
 class _Growth:
     """One request's tree during a step, one level at a time."""
 
-    def __init__(self, request: DraftRequest, widths: list[int], root_logits: torch.Tensor) -> None:
+    def __init__(
+        self,
+        request: DraftRequest,
+        widths: list[int],
+        root_logits: torch.Tensor,
+        cap: int | None = None,
+        exclude: Sequence[int] = (),
+    ) -> None:
         self.req_id = request.req_id
+        #: most nodes to draft (``None``: the whole ``widths`` tree), and first-level tokens not to draft
+        self.cap = cap
+        self.exclude = torch.tensor(list(exclude), dtype=torch.int64)  # [excluded]
         self.widths = widths
         temperature = draft_temperature(request.options, request.temperature)
         self.temperature = temperature if temperature >= GREEDY_EPS else 0.0
@@ -108,15 +113,29 @@ class _Growth:
     def grow(self, generator: torch.Generator) -> tuple[list[int], list[int]]:
         """Add the next level below the frontier; its tokens and parents."""
         width = self.widths[self.levels]
+        excluding = self.levels == 0 and self.exclude.numel() > 0
         if self.temperature:
             q = sampling_probs(self.rows, self.temperature, self.options["top_k"], self.options["top_p"])
-            chosen = sampled_candidates(q, width, generator)  # [frontier, w]
+            if excluding:  # the law the first level is drawn from: q without the lookup's tokens
+                q = q.index_fill(-1, self.exclude, 0.0)
+                q = q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+            if excluding and not bool((q > 0).any()):  # host sync: the lookup took all of q's support
+                chosen = torch.zeros(1, 0, dtype=torch.int64)  # [frontier, 0]
+            else:
+                chosen = sampled_candidates(q, width, generator)  # [frontier, w]
             self.probs.append(q.repeat_interleave(chosen.shape[1], dim=0))
         else:
-            chosen = best_candidates(self.rows, width)
+            rows = self.rows.index_fill(-1, self.exclude, float("-inf")) if excluding else self.rows
+            chosen = best_candidates(rows, width)
         tokens = chosen.reshape(-1).tolist()
         parents = [p for p in self.frontier for _ in range(chosen.shape[1])]
         paths = [path + (t,) for path, row in zip(self.paths, chosen.tolist()) for t in row]
+        if self.cap is not None and len(self.tokens) + len(tokens) >= self.cap:  # the cap ends the tree here
+            left = self.cap - len(self.tokens)
+            tokens, parents, paths = tokens[:left], parents[:left], paths[:left]
+            if self.probs:
+                self.probs[-1] = self.probs[-1][:left]
+            self.levels = len(self.widths) - 1
         first = len(self.tokens)
         self.tokens += tokens
         self.parents += parents
@@ -127,7 +146,7 @@ class _Growth:
 
     @property
     def done(self) -> bool:
-        return self.levels == len(self.widths)
+        return self.levels == len(self.widths) or not self.frontier
 
     def tree(self, k_config: Sequence[int], depth: int) -> DraftTree:
         """The drafted tree; its mask sliced from the largest tree's when it has that shape."""
@@ -144,6 +163,7 @@ class McsdDrafter(DraftModelDrafter):
 
     OPTIONS: ClassVar[dict[str, Option]] = {
         **DRAFT_MODEL_OPTIONS,
+        **LOOKUP_OPTIONS,
         "target_model": Option(
             "", "the target model (name or path), for the stop model's pair check; filled in", per_request=False
         ),
@@ -205,15 +225,61 @@ class McsdDrafter(DraftModelDrafter):
         self.collect = bool(self.options.get("collect", False))
         self._scored: dict[str, _Scored] = {}
         self._collected: list[StopData] = []
+        #: the lookup branches every tree starts with (``"lookup"`` not off)
+        self.lookup = None if self.options["lookup"] == "off" else lookup_branches.LookupBranches(self.options)
+
+    @property
+    def learns_across_requests(self) -> bool:
+        return self.lookup is not None and self.lookup.drafter.learns_across_requests
+
+    def finished(self, requests: list[DraftRequest]) -> None:
+        if self.lookup is not None:
+            self.lookup.finished(requests)
+
+    @property
+    def state_bytes(self) -> int:
+        return 0 if self.lookup is None else self.lookup.drafter.state_bytes
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
         if self.collect:
             self._label(requests)
+        if self.lookup is None:
+            return self._draft(runtime, requests, [None] * len(requests), [[] for _ in requests])
+        fills = [_shape(tuple(r.options["k_config"]), r.options["num_speculative_tokens"]) for r in requests]
+        split = self.lookup.split(requests, fills)
+        drafting = [k for k, (_, cap) in enumerate(split) if cap > 0]
+        runtime.defer([r.req_id for r, (_, cap) in zip(requests, split) if cap == 0])
+        drafted = self._draft(
+            runtime,
+            [requests[k] for k in drafting],
+            [split[k][1] for k in drafting],
+            [lookup_branches.root_tokens(split[k][0]) for k in drafting],
+        )
+        trees = [lookup for lookup, _ in split]
+        for k, tree in zip(drafting, drafted):
+            trees[k] = lookup_branches.mixed_tree(trees[k], tree)
+        for request, tree in zip(requests, trees):
+            self.lookup.drafted(request, tree)
+        return trees
+
+    def _draft(
+        self,
+        runtime: DraftRuntime,
+        requests: list[DraftRequest],
+        caps: Sequence[int | None],
+        excludes: Sequence[Sequence[int]],
+    ) -> list[DraftTree]:
+        """The draft model's trees: at most ``caps`` nodes each (``None``: the ``k_config`` tree),
+        first levels without the ``excludes`` tokens."""
         widths = [level_widths(r.options["k_config"], r.options["num_speculative_tokens"]) for r in requests]
         reserve = [sum(level_sizes(r.options["k_config"], len(w))[:-1]) for r, w in zip(requests, widths)]
+        reserve = [n if cap is None else min(n, cap) for n, cap in zip(reserve, caps)]
         synced = runtime.sync_many([(r.req_id, r.token_ids, n) for r, n in zip(requests, reserve)])
-        growths = [None if logits is None else _Growth(r, w, logits) for r, w, logits in zip(requests, widths, synced)]
+        growths = [
+            None if logits is None else _Growth(r, w, logits, cap, exclude)
+            for r, w, logits, cap, exclude in zip(requests, widths, synced, caps, excludes)
+        ]
         growing = [g for g in growths if g is not None]
         if self.collect and growing:
             self._score(growing, [len(r.token_ids) for r, g in zip(requests, growths) if g is not None])
@@ -289,4 +355,6 @@ class McsdDrafter(DraftModelDrafter):
         req_ids = list(req_ids)
         for req_id in req_ids:
             self._scored.pop(req_id, None)
+        if self.lookup is not None:
+            self.lookup.remove(req_ids)
         super().remove_requests(req_ids)

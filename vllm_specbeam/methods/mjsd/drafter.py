@@ -1,29 +1,20 @@
 """MJSD drafting: the draft's beam search over joint likelihood, proposed with its ``log Q``.
 
-Multi-token joint speculative decoding (Qin et al., arXiv 2407.09722; the
-ICLR 2025 version "MTAD"). The point is quality: decoding several tokens by
-their joint probability gives text the target scores higher than greedy
-decoding, and the draft makes it affordable. **Lossy by design** in its
-default ``"verify": "joint"``: outputs differ from the target's own decoding
-on purpose (:mod:`vllm_specbeam.methods.mjsd.verifier`).
+Multi-token joint speculative decoding (Qin et al., arXiv 2407.09722; MTAD at
+ICLR 2025), **lossy by design** in its default ``"verify": "joint"``
+(:mod:`vllm_specbeam.methods.mjsd.verifier`). Per step and request the draft
+runs beam search with ``beam_width`` beams for ``num_speculative_tokens``
+depths, all requests in one draft forward per depth (dsbd's
+:func:`~vllm_specbeam.methods.dsbd.drafter.draft_beams`), and the best
+``num_beams_verified`` final beams are proposed as one tree with their prefix
+joint probabilities (:func:`~vllm_specbeam.methods.mjsd.maths.beam_proposal`).
+Beams are scored at the temperature the target's ``P`` is taken at (1 for
+greedy requests); with ``draft_sampling`` sampled requests' beams are drawn
+by beam sampling at the draft temperature instead.
 
-Per step and request the draft runs beam search with ``beam_width`` beams
-for ``num_speculative_tokens`` depths from the committed context, all
-requests' beams in one draft forward per depth (dsbd's
-:func:`~vllm_specbeam.methods.dsbd.drafter.draft_beams` on the in-worker
-draft), and the best ``num_beams_verified`` final beams are proposed as one
-tree with their prefix joint probabilities ``Q(x_1..x_i)``
-(:func:`~vllm_specbeam.methods.mjsd.maths.beam_proposal`); more than one is
-the tree variant, verified in the same target pass, the best passing beam
-kept. The search scores beams with the draft's distribution at the
-temperature the target's ``P`` is taken at (1 for greedy requests, else the
-request's). With ``draft_sampling`` a sampled request's beams are drawn by
-beam sampling (MTAD) at the draft temperature instead (``draft_temperature``,
-the request's when 0), scored by the distribution they were drawn from.
-
-``"verify": "block"`` is the lossless mode: the draft samples one chain from
-``q`` (its argmax chain for greedy requests) and the exact rules verify it:
-block verification when sampling, greedy matching at temperature 0.
+``"verify": "block"`` is the lossless mode: one chain sampled from ``q``
+(its argmax chain for greedy requests), verified by the exact rules.
+Design and figures: docs/methods/mjsd.md.
 """
 
 from __future__ import annotations

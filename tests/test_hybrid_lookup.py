@@ -1,0 +1,240 @@
+"""Lookup branches in a draft-model method's trees (``"lookup"``, issue #48), without an engine.
+
+The mixed tree's sampling law is proved by exact enumeration (test_verifiers_sampling's
+composition of the rejection rule's own tables): lookup nodes are deterministic drafts,
+the draft's nodes samples of ``q`` without the lookup's first-level tokens. The drafter
+is driven on test_mcsd's fake runtime: how the budget splits, when the draft does not run.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+
+import numpy as np
+import pytest
+import torch
+from test_mcsd import FakeRuntime, options, path_logits
+from test_verifiers_sampling import (
+    ATOL,
+    ToyModel,
+    assert_exact,
+    draft_rows,
+    mixture,
+    next_tokens_error,
+    path_tokens,
+    rejection_commits,
+    sibling_draws,
+)
+
+from vllm_specbeam.core.budget import DEPTH_BUCKETS, FILL_KIND, KIND_BUCKETS, RANK_BUCKETS, lookup_first
+from vllm_specbeam.core.config import METHODS, SpecbeamConfigError, parse
+from vllm_specbeam.core.drafter import DraftRequest
+from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.draft_runtime.lookup import mixed_tree, root_tokens
+from vllm_specbeam.methods.mcsd.drafter import McsdDrafter, _Growth
+
+# ---------------------------------------------------------------- the mixed tree's law, enumerated
+LOOKUPS = {
+    "chain": DraftTree(np.array([1, 3]), np.array([ROOT, 0]), kinds=np.array([0, 0])),
+    "tree": DraftTree(np.array([1, 2, 4]), np.array([ROOT, ROOT, 0]), kinds=np.array([2, 2, 2])),
+}
+
+
+def masked(row: np.ndarray, tokens: list[int]) -> np.ndarray:
+    out = row.copy()
+    out[tokens] = 0.0
+    return out / out.sum()
+
+
+def mixed_trees(lookup: DraftTree, q: ToyModel, planted: bool = False) -> list[tuple[DraftTree, float]]:
+    """Every mixed tree the drafter can build below ``lookup``, with its probability: two
+    first-level draws without replacement from ``q`` without the lookup's first-level
+    tokens, one draw from ``q`` below each. ``planted``: the bug of taking the lookup's
+    nodes for samples of the draft (their rows ``q`` at their parent, not a point mass)."""
+    first = masked(q(()), root_tokens(lookup))
+    out = []
+    for (a, b), w_first in sibling_draws(first, 2, "without"):
+        for c, d in product(range(q.vocab), repeat=2):
+            weight = w_first * q((a,))[c] * q((b,))[d]
+            if weight == 0:
+                continue
+            draft = DraftTree(np.array([a, b, c, d]), np.array([ROOT, ROOT, 0, 1]))
+            rows = draft_rows(draft, q, conditional=False)
+            rows[:2] = first  # the law the first level was drawn from
+            tree = mixed_tree(lookup, DraftTree(draft.tokens, draft.parents, rows))
+            if planted:
+                probs = np.array(tree.draft_probs)
+                for node in range(lookup.num_nodes):
+                    probs[node] = q(path_tokens(tree, int(tree.parents[node])))
+                tree = DraftTree(tree.tokens, tree.parents, probs, kinds=tree.kinds)
+            out.append((tree, weight))
+    return out
+
+
+@pytest.mark.parametrize("shape", list(LOOKUPS))
+def test_a_mixed_tree_keeps_the_target_distribution(shape: str) -> None:
+    lookup = LOOKUPS[shape]
+    p, q = ToyModel(21, 5, zeros=0), ToyModel(121, 5)
+    trees = mixed_trees(lookup, q)
+    assert all(t.kinds is not None and t.kinds[lookup.num_nodes :].tolist() == [FILL_KIND] * 4 for t, _ in trees)
+    commits = mixture(trees, lambda t: rejection_commits(t, p, True))
+    assert_exact(commits, p, 3)
+    # both sources are accepted with positive probability: the check is not vacuous
+    via_lookup = sum(w for seq, w in commits.items() if seq[0] in root_tokens(lookup) and len(seq) > 1)
+    via_draft = sum(w for seq, w in commits.items() if seq[0] not in root_tokens(lookup) and len(seq) > 1)
+    assert via_lookup > 0.05 and via_draft > 0.05
+
+
+def test_the_planted_lookup_as_a_sample_bug_is_caught() -> None:
+    """Taking a lookup node for a sample of the draft (its ``q`` row the draft's) biases the output."""
+    p, q = ToyModel(21, 5, zeros=0), ToyModel(121, 5)
+    commits = mixture(mixed_trees(LOOKUPS["chain"], q, planted=True), lambda t: rejection_commits(t, p, True))
+    assert max(next_tokens_error(commits, p, n) for n in (1, 2)) > 100 * ATOL
+
+
+def test_the_first_level_is_drawn_without_the_lookups_tokens() -> None:
+    """The law the drafter records for its first level is the law it draws from: ``q`` without the lookup's tokens."""
+    logits = torch.log(torch.tensor(ToyModel(121, 5)(()), dtype=torch.float32))  # [V]
+    request = DraftRequest("r", np.array([0]), options(k_config=[2]), temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    counts = np.zeros(5)
+    for _ in range(400):
+        growth = _Growth(request, [1], logits, exclude=[1, 3])
+        tokens, _ = growth.grow(generator)
+        counts[tokens] += 1
+        expected = masked(torch.softmax(logits, -1).numpy(), [1, 3])
+        assert np.allclose(growth.probs[0][0].numpy(), expected, atol=1e-6)
+    assert counts[[1, 3]].sum() == 0 and counts.sum() == 400
+    greedy = _Growth(DraftRequest("r", np.array([0]), request.options), [2], logits, exclude=[int(logits.argmax())])
+    assert int(logits.argmax()) not in greedy.grow(generator)[0]
+
+
+def test_a_cap_ends_the_draft_mid_level() -> None:
+    request = DraftRequest("r", np.array([0]), options(k_config=[3, 2]))
+    growth = _Growth(request, [3, 2, 1], path_logits((), 99), cap=5)
+    growth.grow(torch.Generator())
+    growth.rows = torch.stack([path_logits((t,), 99) for t in growth.tokens])
+    _, parents = growth.grow(torch.Generator())
+    assert growth.done and len(growth.tokens) == 5 and parents == [0, 0]
+
+
+# ---------------------------------------------------------------- how the budget splits
+def rates(lookup: float, fill: float) -> np.ndarray:
+    table = np.full((KIND_BUCKETS, DEPTH_BUCKETS, RANK_BUCKETS), lookup)
+    table[FILL_KIND] = fill
+    return table
+
+
+def test_lookup_first_keeps_the_most_valuable_nodes() -> None:
+    chain = LOOKUPS["chain"]
+    fill = DraftTree(np.zeros(2, np.int64), np.array([ROOT, 0]))
+    kept, left = lookup_first(chain, fill, 3, rates(0.9, 0.6), 0.0)
+    assert kept.num_nodes == 2 and left == 1  # 0.9, 0.81 from the lookup, then the fill's 0.6
+    assert lookup_first(chain, fill, 3, rates(0.9, 0.6), 0.7)[1] == 0  # the fill is worth too little
+    kept, left = lookup_first(chain, fill, 2, rates(0.5, 0.9), 0.0)
+    assert kept.num_nodes == 0 and left == 2  # the fill's 0.9 and 0.81 beat the lookup's 0.5 and 0.25
+    kept, left = lookup_first(chain, fill, 3, rates(0.85, 0.9), 0.0)
+    assert kept.num_nodes == 1 and left == 2  # 0.9, 0.85, 0.81 (fill, lookup, fill) beat 0.7225
+    kept, left = lookup_first(chain, fill, 1, rates(0.9, 0.9), 0.0)
+    assert kept.num_nodes == 1 and left == 0  # ties go to the lookup
+
+
+class DeferringRuntime(FakeRuntime):
+    """test_mcsd's fake runtime, also recording which requests it was told ran no draft forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.synced: list[str] = []
+        self.deferred: list[str] = []
+
+    def sync_many(self, requests):
+        self.synced += [r for r, _, _ in requests]
+        return super().sync_many(requests)
+
+    def defer(self, req_ids):
+        self.deferred += list(req_ids)
+
+
+def hybrid(runtime: DeferringRuntime, **overrides) -> McsdDrafter:
+    drafter = McsdDrafter(options(lookup="request", **overrides))
+    drafter.use_runtime(runtime)
+    return drafter
+
+
+REPEATS = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18] * 3 + [7, 8]  # lookup: a long chain after "7 8"
+
+
+def learnt(d: McsdDrafter, lookup: float, fill: float) -> McsdDrafter:
+    """``d`` after many judged nodes: the engine's rates ``lookup`` (long matches) and ``fill``."""
+    engine = d.lookup.values.engine
+    engine.trials[:] = 1000.0
+    engine.hits[:] = 1000.0 * rates(lookup, fill).ravel()
+    return d
+
+
+def test_a_lookup_that_fills_the_budget_runs_no_draft() -> None:
+    runtime = DeferringRuntime()
+    d = learnt(hybrid(runtime, max_nodes=8, k_config=[1], stop_threshold=0.0), 0.95, 0.5)
+    tree = d.propose([DraftRequest("r", np.array(REPEATS), d.options)])[0]
+    assert tree.tokens.tolist() == [9, 10, 11, 12, 13, 14, 15, 16] and set(tree.kinds.tolist()) == {0}
+    assert runtime.synced == [] and runtime.fed == [] and runtime.deferred == ["r"]
+
+
+def test_the_draft_fills_what_the_lookup_leaves_below_the_root() -> None:
+    runtime = DeferringRuntime()
+    d = learnt(hybrid(runtime, max_nodes=16, lookup_depth=3, k_config=[2], stop_threshold=0.0), 0.95, 0.5)
+    tree = d.propose([DraftRequest("r", np.array(REPEATS), d.options)])[0]
+    assert tree.tokens[:3].tolist() == [9, 10, 11] and tree.kinds[:3].tolist() == [0, 0, 0]
+    fill = tree.kinds == FILL_KIND
+    assert fill.sum() == 8 and runtime.synced == ["r"] and runtime.deferred == []  # 2 + 2 + 2 + 2: depth 4
+    first = [int(t) for t, parent, is_fill in zip(tree.tokens, tree.parents, fill) if is_fill and parent == ROOT]
+    best = torch.topk(path_logits((), 99).index_fill(0, torch.tensor([9]), float("-inf")), 2).indices.tolist()
+    assert first == best and 9 not in first  # the draft's best tokens other than the lookup's
+
+
+def test_without_a_match_the_draft_drafts_alone_and_learns() -> None:
+    runtime = DeferringRuntime()
+    d = hybrid(runtime, max_nodes=8, k_config=[1], stop_threshold=0.0)
+    tree = d.propose([DraftRequest("r", np.array([1, 2, 3]), d.options)])[0]
+    assert tree.num_nodes == 4 and set(tree.kinds.tolist()) == {FILL_KIND}  # the chain, at depth 4
+    d.propose([DraftRequest("r", np.array([1, 2, 3, *tree.tokens[:2].tolist(), 5]), d.options)])
+    state = d.lookup.values.requests["r"]  # the first tree was judged: 2 hits of 3 trials
+    assert state.counts.trials.sum() == 3 and state.counts.hits.sum() == 2
+    d.remove_requests(["r"])
+    assert "r" not in d.lookup.values.requests
+
+
+def test_off_drafts_exactly_as_before() -> None:
+    """``"lookup": "off"`` is today's drafter: the same trees from the same generator."""
+    plain, off = McsdDrafter(options(k_config=[2, 2])), McsdDrafter(options(k_config=[2, 2], lookup="off"))
+    for d in (plain, off):
+        d.use_runtime(FakeRuntime())
+    for temperature in (0.0, 1.0):
+        ours, theirs = (
+            d.propose([DraftRequest("r", np.array(REPEATS), d.options, temperature)])[0] for d in (off, plain)
+        )
+        assert ours.tokens.tolist() == theirs.tokens.tolist() and ours.kinds is None
+        assert (ours.draft_probs is None) == (temperature == 0.0)
+
+
+# ---------------------------------------------------------------- the option
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"lookup": "on"}, r"option 'lookup' must be one of \['off', 'request', 'global'\], got 'on'"),
+        ({"lookup": True}, "option 'lookup' must be a str"),
+        ({"lookup_depth": 0}, r"option 'lookup_depth' must be in \[1, 64\]"),
+    ],
+)
+def test_a_bad_lookup_is_refused_at_start_up(config: dict, message: str) -> None:
+    with pytest.raises(SpecbeamConfigError, match=message):
+        parse({"method": "mcsd", "model": "draft", **config})
+
+
+def test_lookup_is_engine_wide_per_request() -> None:
+    config = parse({"method": "mcsd", "model": "draft", "lookup": "global"})
+    assert config.options["lookup"] == "global" and config.options["lookup_depth"] == 16
+    with pytest.raises(SpecbeamConfigError, match=r"'lookup' is engine-wide.*set it in the engine's speculative"):
+        config.with_overrides({"lookup": "off"})
+    assert config.with_overrides({"lookup_depth": 4})["lookup_depth"] == 4
+    assert "lookup" not in METHODS["dsbd"].options()  # not offered where it is not built

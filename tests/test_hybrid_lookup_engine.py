@@ -1,0 +1,98 @@
+"""``mcsd`` with lookup branches (``"lookup": "global"``, issue #48) inside vLLM.
+
+Greedy output equals vLLM's without speculation; both sources' nodes are verified
+and accepted; steps whose lookup branches fill the budget run no draft forward, and
+the draft's next logits (its K/V caught up on the tokens committed meanwhile) equal
+transformers' on the same tokens, as a draft that ran every step would give.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import greedy, make_prompts, runner_stats, token_ids
+from specs import MCSD
+from test_sampling_engine import ALPHA, prefix_homogeneity, sample_sequences, target_samples
+from test_worker_draft import ATOL, _record
+
+HYBRID = {**MCSD, "lookup": "global", "lookup_depth": 8}
+
+
+@pytest.fixture(scope="module")
+def hybrid(engines, near_draft):
+    return engines.get({**HYBRID, "model": near_draft})
+
+
+def test_greedy_equals_no_speculation(hybrid, prompts, reference) -> None:
+    before = runner_stats(hybrid)
+    assert token_ids(hybrid.generate(prompts, greedy(), use_tqdm=False)) == reference
+    # one at a time, the longest prompts again: their answers are in the global index now
+    again = [token_ids(hybrid.generate([p], greedy(), use_tqdm=False))[0] for p in prompts[7:]]
+    assert again == reference[7:]
+    after = runner_stats(hybrid)
+    grown = {key: after[key] - before[key] for key in after}
+    assert grown["nodes_lookup"] > 0 and grown["nodes_fill"] > 0
+    assert grown["accepted_lookup"] > 0 and grown["accepted_fill"] > 0
+    assert grown["nodes_lookup"] + grown["nodes_fill"] == grown["nodes"]
+    assert grown["accepted_lookup"] + grown["accepted_fill"] == grown["accepted"]
+    assert grown["draft_deferred"] > 0 and grown["steps_without_draft_forward"] > 0
+
+
+def test_sampling_matches_the_target(engines, hybrid, prompts) -> None:
+    """test_sampling_engine's per-position statistic against the session's samples without speculation."""
+    prompt = prompts[6]
+    before = runner_stats(hybrid)
+    ours = sample_sequences(hybrid, prompt, 1.0)
+    after = runner_stats(hybrid)
+    assert after["accepted_lookup"] > before["accepted_lookup"] and after["accepted_fill"] > before["accepted_fill"]
+    assert prefix_homogeneity(ours, target_samples(engines, prompt, 1.0)) > ALPHA
+
+
+def _record_deferrals(worker) -> None:
+    """Log the draft runtime's ``defer`` calls among its syncs and extends (after ``_record``)."""
+    runtime = worker.model_runner.draft_runtime
+    defer = runtime.defer
+
+    def logged(req_ids) -> None:
+        req_ids = list(req_ids)
+        runtime.calls += [("defer", r, [], None, None) for r in req_ids]
+        defer(req_ids)
+
+    runtime.defer = logged
+
+
+def _check_after_deferrals(worker, draft: str) -> dict:
+    """Every sync that follows a step without a draft forward for its request, against
+    transformers on the same committed tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    deferred: dict[str, int] = {}
+    worst, checked, longest = 0.0, 0, 0
+    for kind, req_id, tokens, _, logits in worker.model_runner.draft_runtime.calls:
+        if kind == "defer":
+            deferred[req_id] = deferred.get(req_id, 0) + 1
+            longest = max(longest, deferred[req_id])
+        elif kind == "sync" and logits is not None and deferred.pop(req_id, 0):
+            with torch.inference_mode():
+                reference = model(torch.tensor([tokens])).logits[0, -1]
+            worst = max(worst, float((logits - reference).abs().max()))
+            checked += 1
+        elif kind == "sync":
+            deferred.pop(req_id, None)
+    return {"worst": worst, "checked": checked, "longest_deferral": longest}
+
+
+def test_a_step_without_a_draft_forward_leaves_the_draft_caught_up(engines, hybrid, near_draft) -> None:
+    hybrid.collective_rpc(_record)
+    hybrid.collective_rpc(_record_deferrals)
+    before = runner_stats(hybrid)
+    # new prompts (nothing of them indexed) with repeated phrases: lookup fills some steps, not all
+    outputs = token_ids(hybrid.generate(make_prompts(10, seed=3)[4:], greedy(), use_tqdm=False))
+    assert all(len(o) == 48 for o in outputs)
+    after = runner_stats(hybrid)
+    assert after["draft_deferred"] > before["draft_deferred"]
+    result = hybrid.collective_rpc(_check_after_deferrals, args=(near_draft,))[0]
+    assert result["checked"] > 0 and result["longest_deferral"] >= 1, result
+    assert result["worst"] < ATOL, result
+    engines.stop({**HYBRID, "model": near_draft})  # this module's engine, logging every draft call

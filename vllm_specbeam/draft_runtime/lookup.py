@@ -1,0 +1,112 @@
+"""Lookup branches in a draft-model method's trees (``"lookup": "request" | "global"``).
+
+Each step a request's tree starts with what ``lookup_tree`` drafts (its drafter,
+request or global scope, reused as is: node kinds 0-2 by match length). The draft
+model drafts below the root, after them, only the nodes they and ``max_nodes``
+leave (:func:`~vllm_specbeam.core.budget.lookup_first`: nodes valued by the
+acceptance per kind, depth and rank that :class:`~vllm_specbeam.core.budget.StepBudget`
+learns from the committed tokens); when they leave none, the draft runs no forward
+that step (``DraftRuntime.defer``) and catches up at its next sync. Its first-level
+tokens exclude the lookup's, so no draft node repeats a lookup sibling.
+
+Lossless: lookup nodes are deterministic drafts (a point mass as their ``q`` row),
+draft-model nodes samples of the draft's ``q`` with the lookup's tokens removed;
+the rejection rule tries the lookup siblings first and removes each tried token
+from the later siblings' ``q``, which is then exactly the law the samples were
+drawn from (``tests/test_hybrid_lookup.py`` enumerates it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from vllm_specbeam.core.budget import FILL_KIND, RequestBudget, StepBudget, lookup_first
+from vllm_specbeam.core.config import TREE_OPTIONS
+from vllm_specbeam.core.drafter import DraftRequest
+from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
+
+
+class LookupBranches:
+    """A draft-model drafter's lookup source and the acceptance learnt per node kind."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        scope = "global" if options["lookup"] == "global" else "request"
+        lookup = {key: spec.default for key, spec in {**TREE_OPTIONS, **LookupTreeDrafter.OPTIONS}.items()}
+        lookup.update(LookupTreeDrafter.defaults_for({"scope": scope}), scope=scope)
+        #: the engine-wide options of the lookup drafter (depth and node budget set per request)
+        self.options = lookup
+        self.drafter = LookupTreeDrafter(lookup)
+        #: acceptance per (kind, depth, rank), learnt from the committed tokens (no step cost: never pruned by it)
+        self.values = StepBudget()
+        #: engine depth: a request drafting shallower (per request, or near its max_tokens) draws lookup
+        #: branches no deeper than its depth
+        self.engine_depth = int(options["num_speculative_tokens"])
+
+    def request(self, request: DraftRequest) -> DraftRequest:
+        """``request`` with the lookup drafter's options."""
+        options = request.options
+        depth = options["lookup_depth"]
+        if options["num_speculative_tokens"] < self.engine_depth:
+            depth = min(depth, options["num_speculative_tokens"])
+        lookup = {**self.options, "num_speculative_tokens": depth, "max_nodes": options["max_nodes"]}
+        return DraftRequest(request.req_id, request.token_ids, lookup, request.temperature)
+
+    def split(self, requests: Sequence[DraftRequest], fills: Sequence[DraftTree]) -> list[tuple[DraftTree, int]]:
+        """Per request: its lookup tree and how many of ``fill``'s first nodes the draft may add
+        (0: no draft forward for it this step). ``fill``: the largest tree the draft could grow."""
+        found = self.drafter.propose([self.request(r) for r in requests])
+        engine = self.values.engine_rates()
+        out = []
+        for request, lookup, fill in zip(requests, found, fills):
+            tokens = request.token_ids
+            state = self.values.requests.setdefault(request.req_id, RequestBudget())
+            if state.drafted is not None:
+                self.values.observe_committed(request.req_id, tokens[state.drafted_at :].tolist(), tokens.size)
+            rates = self.values.rates(request.req_id, engine)
+            out.append(
+                lookup_first(lookup, fill, request.options["max_nodes"], rates, request.options["stop_threshold"])
+            )
+        return out
+
+    def drafted(self, request: DraftRequest, tree: DraftTree) -> None:
+        """The tree verified for ``request`` this step (its nodes are judged at the next)."""
+        self.values.drafted(request.req_id, tree, request.token_ids.size)
+
+    def finished(self, requests: list[DraftRequest]) -> None:
+        if self.drafter.learns_across_requests:
+            self.drafter.finished([self.request(r) for r in requests])
+
+    def remove(self, req_ids: Sequence[str]) -> None:
+        self.values.remove(req_ids)
+
+
+def mixed_tree(lookup: DraftTree, draft: DraftTree) -> DraftTree:
+    """The lookup's nodes, then the draft model's below the root after them (kind :data:`FILL_KIND`).
+
+    When the draft's nodes are samples (``draft_probs``), every lookup node gets the
+    point mass on its token as its ``q`` row: a deterministic draft, verified as one.
+    Example: lookup ``[5, 6]`` (a chain), draft ``[7, 8]`` (a chain): tokens
+    ``[5, 6, 7, 8]``, parents ``[-1, 0, -1, 2]``, kinds ``[k, k, 3, 3]``.
+    """
+    if draft.num_nodes == 0:
+        return lookup
+    n = lookup.num_nodes
+    parents = np.concatenate([lookup.parents, np.where(draft.parents == ROOT, ROOT, draft.parents + n)])
+    kinds = np.concatenate(
+        [np.zeros(n, np.int64) if lookup.kinds is None else lookup.kinds, np.full(draft.num_nodes, FILL_KIND)]
+    )
+    probs = None
+    if draft.draft_probs is not None:
+        point = np.zeros((n, draft.draft_probs.shape[-1]), draft.draft_probs.dtype)  # [lookup nodes, V]
+        point[np.arange(n), lookup.tokens] = 1.0
+        probs = np.concatenate([point, draft.draft_probs])  # [nodes, V]
+    return DraftTree(np.concatenate([lookup.tokens, draft.tokens]), parents, probs, kinds=kinds)
+
+
+def root_tokens(tree: DraftTree) -> list[int]:
+    """The tokens of ``tree``'s first level (what the draft's first level must not repeat)."""
+    return tree.tokens[tree.parents == ROOT].tolist()
