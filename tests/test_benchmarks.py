@@ -8,7 +8,6 @@ checks that a real run produces a JSON, table and PNG that agree.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -21,63 +20,59 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from benchmarks import compare, host, load_test, offline, plan, processes, replay, report, serve_bench, worker
+from benchmarks.prompts import load_prompts
+from vllm_specbeam.core.budget import StepCost
+from vllm_specbeam.core.config import METHODS, parse
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import compare  # noqa: E402
-import metrics  # noqa: E402
-import replay  # noqa: E402
-from prompts import load_prompts  # noqa: E402
-
-from vllm_specbeam.core.budget import StepCost  # noqa: E402
-from vllm_specbeam.core.config import METHODS, parse  # noqa: E402
 
 
 # ---------------------------------------------------------------- metrics
 def test_spec_figures_from_counters():
     # 100 output tokens, 60 of them accepted drafts: 40 target steps (the
     # prefill included), 1.5 accepted per step, 0.4 steps per token.
-    figures = metrics.spec_figures(output_tokens=100, accepted=60, draft_tokens=120)
+    figures = report.spec_figures(output_tokens=100, accepted=60, draft_tokens=120)
     assert figures.accepted_per_step == pytest.approx(1.5)
     assert figures.acceptance_rate == pytest.approx(0.5)
     assert figures.steps_per_output_token == pytest.approx(0.4)
-    plain = metrics.spec_figures(output_tokens=50, accepted=0, draft_tokens=0)
+    plain = report.spec_figures(output_tokens=50, accepted=0, draft_tokens=0)
     assert (plain.accepted_per_step, plain.acceptance_rate, plain.steps_per_output_token) == (0.0, None, 1.0)
-    assert metrics.spec_figures(50, None, None) == metrics.SpecFigures(None, None, None)
+    assert report.spec_figures(50, None, None) == report.SpecFigures(None, None, None)
     # vLLM's counters from a run of draft_model k5 (12 requests, 384 tokens): 87 steps drafted and
     # 306 tokens counted as accepted, 21 of them past max_tokens; the output holds 384 - 99 = 285
-    vllm = metrics.spec_figures(output_tokens=384, accepted=306, draft_tokens=435, drafts=87, requests=12)
+    vllm = report.spec_figures(output_tokens=384, accepted=306, draft_tokens=435, drafts=87, requests=12)
     assert vllm.steps_per_output_token == pytest.approx(99 / 384)
     assert vllm.accepted_per_step == pytest.approx(285 / 99) and vllm.acceptance_rate == pytest.approx(285 / 435)
     # exact counters (the plugin's, or steps without a draft) keep output_tokens - accepted
-    assert metrics.spec_figures(100, 60, 120, drafts=20, requests=1) == figures
+    assert report.spec_figures(100, 60, 120, drafts=20, requests=1) == figures
 
 
 def test_counter_delta_handles_lists_and_late_counters():
     before = {"accepted": 5, "accepted_per_pos": [3, 2]}
     after = {"accepted": 9, "accepted_per_pos": [5, 3, 1], "drafts": 4}
-    assert metrics.counter_delta(before, after) == {"accepted": 4, "accepted_per_pos": [2, 1, 1], "drafts": 4}
+    assert report.counter_delta(before, after) == {"accepted": 4, "accepted_per_pos": [2, 1, 1], "drafts": 4}
 
 
 def test_continuation_logprobs_and_mean():
     # Token ids [7, 8, 9, 10], prompt = first two tokens: only 9 and 10 are scored.
     table = [None, {8: -0.1, 1: -3.0}, {9: -0.5}, {10: -1.5, 9: -0.2}]
-    scored = metrics.continuation_logprobs(table, [7, 8, 9, 10], start=2)
+    scored = report.continuation_logprobs(table, [7, 8, 9, 10], start=2)
     assert scored == [-0.5, -1.5]
-    assert metrics.mean_loglik_per_token([scored, [-2.0]]) == pytest.approx(-4.0 / 3)  # token-weighted
-    assert metrics.mean_loglik_per_token([]) is None
+    assert report.mean_loglik_per_token([scored, [-2.0]]) == pytest.approx(-4.0 / 3)  # token-weighted
+    assert report.mean_loglik_per_token([]) is None
     with pytest.raises(ValueError, match="no log-probability"):
-        metrics.continuation_logprobs([None, {1: -1.0}], [0, 2], start=1)
+        report.continuation_logprobs([None, {1: -1.0}], [0, 2], start=1)
     with pytest.raises(ValueError, match="start must be"):
-        metrics.continuation_logprobs(table, [7, 8, 9, 10], start=0)
+        report.continuation_logprobs(table, [7, 8, 9, 10], start=0)
 
 
 def test_exact_match_percentile_ratio_truncation():
-    assert metrics.exact_match([[1, 2], [3]], [[1, 2], [4]]) == 0.5
-    assert metrics.percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
-    assert metrics.percentile([1, None, 11], 90) == pytest.approx(10.0)
-    assert metrics.ratio(3.0, 2.0) == 1.5 and metrics.ratio(3.0, None) is None
-    assert metrics.truncate_completion("    return x\n\ndef other():\n    pass") == "    return x\n"
+    assert report.exact_match([[1, 2], [3]], [[1, 2], [4]]) == 0.5
+    assert report.percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
+    assert report.percentile([1, None, 11], 90) == pytest.approx(10.0)
+    assert report.ratio(3.0, 2.0) == 1.5 and report.ratio(3.0, None) is None
+    assert report.truncate_completion("    return x\n\ndef other():\n    pass") == "    return x\n"
 
 
 def synthetic_runs() -> list[dict]:
@@ -116,7 +111,7 @@ def synthetic_runs() -> list[dict]:
 
 def synthetic_result(runs: list[dict]) -> dict:
     return {
-        "schema_version": metrics.SCHEMA_VERSION,
+        "schema_version": report.SCHEMA_VERSION,
         "config": {
             "model": "m",
             "draft_model": None,
@@ -151,15 +146,15 @@ def synthetic_result(runs: list[dict]) -> dict:
 
 def test_schema_best_setting_and_table(tmp_path):
     runs = synthetic_runs()
-    metrics.mark_best(runs)
+    report.mark_best(runs)
     assert [r["best"] for r in runs] == [True, False, True, True]
     # one of two outputs left no speculation's at its token 1, where the target's margin was 0.21
-    report = metrics.divergence_report([[1, 2], [3, 9]], [[1, 2], [3, 4]], {(1, (3, 4)): [0.1, 0.21]}, 0.5)
-    runs[2]["divergence"] = report.as_dict()
+    divergence = report.divergence_report([[1, 2], [3, 9]], [[1, 2], [3, 4]], {(1, (3, 4)): [0.1, 0.21]}, 0.5)
+    runs[2]["divergence"] = divergence.as_dict()
     result = synthetic_result(runs)
-    metrics.validate_result(result)
+    report.validate_result(result)
     # best setting per method and scenario only, the baseline first, cells rounded per column
-    assert metrics.offline_table(runs).splitlines() == [
+    assert report.offline_table(runs).splitlines() == [
         "| batch | temp | method | best setting | tok/s (median) | speedup | paired speedup | accepted/step "
         "| acceptance | dsbd width | steps/token | draft share | peak RSS MiB | loglik/token | exact match "
         "| divergence | pass@1 |",
@@ -169,43 +164,66 @@ def test_schema_best_setting_and_table(tmp_path):
         "| identical 1/2; 1 diverged (max margin 0.21) | – |",
         "| 8 | 0.0 | none | - | 30.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – | – |",
     ]
-    metrics.plot_speedup_vs_quality(runs, tmp_path / "p.png", "t")
-    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert report.write_plots(runs, {"lookup_tree": "plugin"}, tmp_path, "t") == [tmp_path / report.BARS_PNG]
+    assert (tmp_path / report.BARS_PNG).read_bytes()[:4] == b"\x89PNG"
 
     broken = json.loads(json.dumps(result))
     del broken["runs"][0]["acceptance_rate"]
     with pytest.raises(jsonschema.ValidationError):
-        metrics.validate_result(broken)
+        report.validate_result(broken)
     two_best = json.loads(json.dumps(result))
     two_best["runs"][1]["best"] = True
     with pytest.raises(jsonschema.ValidationError, match="exactly one best"):
-        metrics.validate_result(two_best)
+        report.validate_result(two_best)
     bad_status = json.loads(json.dumps(result))
     bad_status["methods"]["aded"]["status"] = "maybe"
     with pytest.raises(jsonschema.ValidationError):
-        metrics.validate_result(bad_status)
+        report.validate_result(bad_status)
     no_margin = json.loads(json.dumps(result))
     del no_margin["runs"][2]["divergence"]["max_margin"]
     with pytest.raises(jsonschema.ValidationError, match="max_margin"):
-        metrics.validate_result(no_margin)
+        report.validate_result(no_margin)
+
+
+def test_plots_are_bars_for_greedy_rows_and_a_scatter_only_where_quality_differs(tmp_path):
+    runs = synthetic_runs()
+    report.mark_best(runs)
+    chosen = report.charts(runs)  # greedy and lossless: all the same quality, speed is the story
+    assert [(r["method"], r["setting_label"]) for r in chosen.bars] == [("lookup_tree", "d5/n16")]
+    assert chosen.scatter == []
+    sampled = [{**r, "temperature": 0.7} for r in runs]
+    lossy = {**runs[2], "method": "mjsd", "setting_label": "b4"}
+    beam = {**runs[2], "method": "beam_search", "setting_label": "w4", "beam_width": 4}
+    chosen = report.charts([*runs, lossy, beam, *sampled])
+    assert [r["method"] for r in chosen.bars] == ["lookup_tree"]  # neither lossy methods nor beams
+    # each greedy scenario's rows whose quality differs beside its baseline; every sampled row
+    assert {(r["method"], r["batch_size"], r["temperature"]) for r in chosen.scatter} == {
+        *(("mjsd", 1, 0.0), ("beam_search", 1, 0.0), ("none", 1, 0.0)),
+        *(("none", 1, 0.7), ("lookup_tree", 1, 0.7), ("none", 8, 0.7)),
+    }
+    written = report.write_plots([*runs, lossy, *sampled], {"ngram": "vllm"}, tmp_path, "t")
+    assert written == [tmp_path / report.BARS_PNG, tmp_path / report.SCATTER_PNG]
+    assert all(path.read_bytes()[:4] == b"\x89PNG" for path in written)
+    (tmp_path / "sampled").mkdir()
+    assert report.write_plots(sampled, {}, tmp_path / "sampled", "t") == [tmp_path / "sampled" / report.SCATTER_PNG]
 
 
 # ------------------------------------------------------------ divergence
 def test_first_divergence_and_top2_margin():
-    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert metrics.first_divergence([1, 5, 3], [1, 2, 3]) == 1
-    assert metrics.first_divergence([9], [1]) == 0
-    assert metrics.first_divergence([1, 2], [1, 2, 3]) == 2  # one stopped early: it diverged where it stopped
+    assert report.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert report.first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert report.first_divergence([9], [1]) == 0
+    assert report.first_divergence([1, 2], [1, 2, 3]) == 2  # one stopped early: it diverged where it stopped
     # the top 2 of whatever the pass returned (the scored token beside them), in any order
-    assert metrics.top2_margin({4: -2.0, 7: -0.25, 9: -1.0}) == pytest.approx(0.75)
+    assert report.top2_margin({4: -2.0, 7: -0.25, 9: -1.0}) == pytest.approx(0.75)
     with pytest.raises(ValueError, match="logprobs >= 2"):
-        metrics.top2_margin({4: -0.1})
+        report.top2_margin({4: -0.1})
     # prompt [5, 6] + output [7, 8]: the margins of positions 2 and 3, the output's tokens 0 and 1
     table = [None, {6: -0.1, 1: -3.0}, {7: -0.5, 2: -1.5}, {8: -0.2, 3: -0.3, 7: -4.0}]
-    assert metrics.continuation_margins(table, start=2) == pytest.approx([1.0, 0.1])
+    assert report.continuation_margins(table, start=2) == pytest.approx([1.0, 0.1])
 
 
-def planted_divergences(near_tie: float = 0.5) -> metrics.DivergenceReport:
+def planted_divergences(near_tie: float = 0.5) -> report.DivergenceReport:
     """Four outputs against no speculation's: one identical, one leaving it at a near-tie
     (margin 0.1), one at exactly the threshold, one at a clear margin (2.5)."""
     references = [[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
@@ -215,38 +233,38 @@ def planted_divergences(near_tie: float = 0.5) -> metrics.DivergenceReport:
         (2, (5, 6, 7, 8)): [3.0, 3.0, 3.0, near_tie],
         (3, (9, 9, 9, 9)): [0.0, 2.5, 0.0, 0.0],
     }
-    return metrics.divergence_report(outputs, references, margins, near_tie)
+    return report.divergence_report(outputs, references, margins, near_tie)
 
 
 def test_divergence_report_flags_a_clear_margin_and_not_a_near_tie():
-    report = planted_divergences()
-    assert report.divergences == (
-        metrics.Divergence(prompt=1, position=2, margin=0.1),
-        metrics.Divergence(prompt=2, position=3, margin=0.5),
-        metrics.Divergence(prompt=3, position=1, margin=2.5),
+    planted = planted_divergences()
+    assert planted.divergences == (
+        report.Divergence(prompt=1, position=2, margin=0.1),
+        report.Divergence(prompt=2, position=3, margin=0.5),
+        report.Divergence(prompt=3, position=1, margin=2.5),
     )
-    assert report.max_margin == 2.5
-    assert report.clear == [metrics.Divergence(3, 1, 2.5)]  # "above" the threshold: 0.5 itself is a near-tie
-    summary = report.as_dict()
+    assert planted.max_margin == 2.5
+    assert planted.clear == [report.Divergence(3, 1, 2.5)]  # "above" the threshold: 0.5 itself is a near-tie
+    summary = planted.as_dict()
     assert (summary["compared"], summary["identical"], summary["diverged"]) == (4, 1, 3)
     assert summary["clear_margin"] == [{"prompt": 3, "position": 1, "margin": 2.5}]
-    assert metrics.divergence_cell(summary) == (
+    assert report.divergence_cell(summary) == (
         "identical 1/4; 3 diverged (max margin 2.50); **1 at a clear margin (> 0.5)**"
     )
     assert planted_divergences(near_tie=3.0).clear == []  # all near-ties at a looser threshold
     # no margins scored (the float32 engine failed): positions still reported, nothing flagged
-    unscored = metrics.divergence_report([[1, 9]], [[1, 2]], {}, 0.5)
-    assert unscored.divergences == (metrics.Divergence(0, 1, None),) and unscored.clear == []
-    assert metrics.divergence_cell(unscored.as_dict()) == "identical 0/1; 1 diverged (max margin –)"
-    assert metrics.divergence_cell(metrics.divergence_report([[1]], [[1]], {}, 0.5).as_dict()) == "identical 1/1"
-    assert metrics.diverged_references([[1, 2], [3, 9]], [[1, 2], [3, 4]]) == {(1, (3, 4))}
+    unscored = report.divergence_report([[1, 9]], [[1, 2]], {}, 0.5)
+    assert unscored.divergences == (report.Divergence(0, 1, None),) and unscored.clear == []
+    assert report.divergence_cell(unscored.as_dict()) == "identical 0/1; 1 diverged (max margin –)"
+    assert report.divergence_cell(report.divergence_report([[1]], [[1]], {}, 0.5).as_dict()) == "identical 1/1"
+    assert report.diverged_references([[1, 2], [3, 9]], [[1, 2], [3, 4]]) == {(1, (3, 4))}
 
 
 def assemble_planted(margins: dict) -> tuple[list[dict], list[set]]:
-    """``compare.assemble`` on made-up raw data: no speculation at batch 1 and 2 (its outputs
+    """``report.assemble`` on made-up raw data: no speculation at batch 1 and 2 (its outputs
     differ between them), ``ngram`` leaving it at a near-tie at batch 1 and ``lookup_tree``
     at a clear margin at batch 2, ``mjsd`` (lossy) at a clear margin; the margins asked."""
-    scenarios = [{"batch_size": 1, "temperature": 0.0}, {"batch_size": 2, "temperature": 0.0}]
+    scenarios = [worker.Scenario(1, 0.0), worker.Scenario(2, 0.0)]
 
     def raw(*outputs: list[list[int]]) -> dict:
         runs = [
@@ -256,12 +274,12 @@ def assemble_planted(margins: dict) -> tuple[list[dict], list[set]]:
             }
             for k, out in enumerate(outputs)
         ]
-        return {"job": {"scenarios": scenarios}, "runs": runs}
+        return {"scenarios": scenarios, "runs": runs}
 
     none = [[1, 2, 3], [4, 5, 6]]
     none_b2 = [[1, 2, 3], [4, 5, 7]]
     engines = [
-        compare.EngineSpec(name, name, kind, None, [compare.Setting("s", {})])
+        plan.EngineSpec(name, name, kind, None, [plan.Setting("s", {})])
         for name, kind in (("ngram", "vllm"), ("lookup_tree", "plugin"), ("mjsd", "plugin"), ("none", "baseline"))
     ]
     data = {
@@ -277,8 +295,7 @@ def assemble_planted(margins: dict) -> tuple[list[dict], list[set]]:
         asked.append(needed)
         return margins
 
-    args = argparse.Namespace(near_tie=0.5)
-    return compare.assemble(args, engines, records, data, [], margins_for), asked
+    return report.assemble(engines, records, data, margins_for, near_tie=0.5), asked
 
 
 def test_assemble_reports_divergences_against_the_same_batch_size():
@@ -291,7 +308,7 @@ def test_assemble_reports_divergences_against_the_same_batch_size():
     assert by_row[("ngram", 2)]["divergence"]["diverged"] == 0
     assert by_row[("lookup_tree", 2)]["divergence"]["points"] == [{"prompt": 1, "position": 2, "margin": 1.5}]
     assert by_row[("none", 1)]["divergence"]["identical"] == 2 and by_row[("none", 1)]["dtype"] == "bfloat16"
-    clear = compare.clear_margin_divergences(runs)
+    clear = report.clear_margin_divergences(runs)
     assert [(d["method"], d["batch_size"], d["prompt"], d["position"], d["expected"]) for d in clear] == [
         ("lookup_tree", 2, 1, 2, False),
         ("mjsd", 1, 0, 1, True),
@@ -300,14 +317,14 @@ def test_assemble_reports_divergences_against_the_same_batch_size():
 
 def test_clear_margin_divergences_are_printed_as_bug_signals_unless_lossy(capsys):
     runs, _ = assemble_planted({(1, (4, 5, 6)): [2.0, 0.2, 1.0], (1, (4, 5, 7)): [2.0, 2.0, 1.5]})
-    compare.print_clear_margin_divergences(compare.clear_margin_divergences(runs), 0.5)
+    report.print_clear_margin_divergences(report.clear_margin_divergences(runs), 0.5)
     printed = capsys.readouterr().out
     assert "!!! 1 CLEAR-MARGIN DIVERGENCE(S)" in printed
     assert "!!!   lookup_tree s batch 2: prompt 1, token 2, margin 1.500" in printed
     assert "ngram" not in printed  # its divergence was a near-tie
     assert "mjsd: lossy by design" not in printed  # its margin was not scored (not in the margins)
     runs, _ = assemble_planted({(0, (1, 2, 3)): [1.0, 3.0, 0.0]})
-    compare.print_clear_margin_divergences(compare.clear_margin_divergences(runs), 0.5)
+    report.print_clear_margin_divergences(report.clear_margin_divergences(runs), 0.5)
     printed = capsys.readouterr().out
     assert "!!!" not in printed and "(clear-margin divergences of mjsd: lossy by design" in printed
 
@@ -321,13 +338,13 @@ def test_margins_come_from_a_float32_engine_only_when_missing():
         return {reference: [0.5] * len(reference[1]) for reference in missing}
 
     # the baseline's own float32 pass had them all: no engine started
-    assert compare.complete_margins(known, {(0, (1, 2))}, score) == known and started == []
-    assert compare.complete_margins(known, set(), score) == known and started == []
-    margins = compare.complete_margins(known, {(0, (1, 2)), (1, (3,)), (0, (1, 3))}, score)
+    assert report.complete_margins(known, {(0, (1, 2))}, score) == known and started == []
+    assert report.complete_margins(known, set(), score) == known and started == []
+    margins = report.complete_margins(known, {(0, (1, 2)), (1, (3,)), (0, (1, 3))}, score)
     assert started == [[(0, (1, 3)), (1, (3,))]]  # only the missing ones, in one start
     assert margins[(1, (3,))] == [0.5] and margins[(0, (1, 2))] == [1.0, 2.0]
-    assert compare.margins_of([(0, [1, 2])], None) == {}  # a pass in another dtype gave none
-    assert compare.margins_of([(0, [1, 2])], [[0.3, 0.4]]) == {(0, (1, 2)): [0.3, 0.4]}
+    assert report.margins_of([(0, [1, 2])], None) == {}  # a pass in another dtype gave none
+    assert report.margins_of([(0, [1, 2])], [[0.3, 0.4]]) == {(0, (1, 2)): [0.3, 0.4]}
 
 
 def test_score_margins_are_the_float32_targets_top2_gap(engines):
@@ -344,7 +361,7 @@ def test_score_margins_are_the_float32_targets_top2_gap(engines):
     results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], greedy, use_tqdm=False)
     outputs = [list(r.outputs[0].token_ids) for r in results]
     external = [{"prompt": p, "output": out} for p, out in enumerate(outputs)]
-    scores = compare._score(llm, prompt_ids, external, [], "external")
+    scores = worker.score(llm, prompt_ids, external, [], "external")
     assert scores["own"] == [] and len(scores["margins"]) == len(outputs)
     contexts = [(p, position) for p in range(len(outputs)) for position in range(len(outputs[p]))]
     direct = llm.generate(
@@ -354,12 +371,12 @@ def test_score_margins_are_the_float32_targets_top2_gap(engines):
     )
     for (p, position), result in zip(contexts, direct):
         top = {token: logprob.logprob for token, logprob in result.outputs[0].logprobs[0].items()}
-        assert scores["margins"][p][position] == pytest.approx(metrics.top2_margin(top), abs=1e-3)
-    assert compare.resolved_dtype(llm) == "float32"
+        assert scores["margins"][p][position] == pytest.approx(report.top2_margin(top), abs=1e-3)
+    assert worker.resolved_dtype(llm) == "float32"
 
 
 def test_beam_table_lists_every_width_side_by_side():
-    assert metrics.beam_table(synthetic_runs()) == ""  # no beam search ran: no table
+    assert report.beam_table(synthetic_runs()) == ""  # no beam search ran: no table
 
     def beam(method, width, tps, steps_per_token=None, speedup=None, exact=None, depth=None):
         return {
@@ -381,18 +398,18 @@ def test_beam_table_lists_every_width_side_by_side():
     mjsd = {**beam("mjsd", 4, 5.0), "beam_width": None, "setting_label": "b4"}
     runs = [
         mjsd,
-        beam(compare.SPEC_BEAM, 4, 3.0, 0.25, 1.5, 1.0, depth=3.5),
+        beam(plan.SPEC_BEAM, 4, 3.0, 0.25, 1.5, 1.0, depth=3.5),
         beam("beam_search", 4, 2.0, speedup=1.0),
         beam("beam_search", 2, 4.0, speedup=1.0),
-        beam(compare.SPEC_BEAM, 2, 6.0, 0.5, 1.5, 1.0, depth=5.25),
+        beam(plan.SPEC_BEAM, 2, 6.0, 0.5, 1.5, 1.0, depth=5.25),
     ]
-    rows = [line for line in metrics.beam_table(runs).splitlines() if line.startswith("| 1 ")]
+    rows = [line for line in report.beam_table(runs).splitlines() if line.startswith("| 1 ")]
     # widths in order, vLLM's first; 1 / steps-per-token = tokens per target pass (vLLM's: 1)
     assert rows == [
         "| 1 | beam_search | w2 | – | 4.0 | 1.00 | 1.00 | – | -0.500 | – |",
-        f"| 1 | {compare.SPEC_BEAM} | w2 | 5.25 | 6.0 | 1.50 | 2.00 | – | -0.500 | 1.00 |",
+        f"| 1 | {plan.SPEC_BEAM} | w2 | 5.25 | 6.0 | 1.50 | 2.00 | – | -0.500 | 1.00 |",
         "| 1 | beam_search | w4 | – | 2.0 | 1.00 | 1.00 | – | -0.500 | – |",
-        f"| 1 | {compare.SPEC_BEAM} | w4 | 3.50 | 3.0 | 1.50 | 4.00 | – | -0.500 | 1.00 |",
+        f"| 1 | {plan.SPEC_BEAM} | w4 | 3.50 | 3.0 | 1.50 | 4.00 | – | -0.500 | 1.00 |",
     ]
 
 
@@ -402,7 +419,7 @@ def test_humaneval_pass_rate_runs_the_tests():
         {"texts": [p.problem["canonical_solution"] + "\ndef extra():\n    pass" for p in prompts]},
         {"texts": ["    return None\n"] * 2},
     ]
-    compare.pass_rates(prompts, runs, timeout=10.0)
+    report.pass_rates(prompts, runs, timeout=10.0)
     assert [run["pass_rate"] for run in runs] == [1.0, 0.0]
 
 
@@ -420,24 +437,8 @@ def test_prompt_sets(tmp_path):
         load_prompts(str(path))
 
 
-def plan_args(**kwargs) -> argparse.Namespace:
-    defaults = {
-        "methods": ["all"],
-        "draft": None,
-        "draft_path": None,
-        "sweep": "quick",
-        "trigram": None,
-        "trigram_path": None,
-        "stop_model": None,
-        "stop_model_path": None,
-        "draft_vocab_path": None,
-        "draft_dtype": "auto",
-        "beam_widths": None,
-        "beam_depths": None,
-        "draft_ks": None,
-        "mcsd_depths": None,
-    }
-    return argparse.Namespace(**{**defaults, **kwargs})
+def plan_args(**kwargs) -> plan.PlanOptions:
+    return plan.PlanOptions(**kwargs)
 
 
 def test_plan_follows_plugin_methods():
@@ -446,7 +447,7 @@ def test_plan_follows_plugin_methods():
     from vllm_specbeam.core.config import METHODS
     from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter
 
-    status, engines = compare.plan(plan_args())
+    status, engines = plan.plan(plan_args())
     for name, method in METHODS.items():
         if method.needs_draft_model:
             assert status[name].status == "skipped" and status[name].reason == "needs --draft"
@@ -458,24 +459,24 @@ def test_plan_follows_plugin_methods():
     # One engine at the grid's maximum; the sweep is per-request options, led by the
     # per-step budget at the method's defaults (depth 4, up to 16 nodes).
     assert lookup.speculative_config["max_nodes"] == "auto"
-    assert lookup.speculative_config["auto_max_nodes"] == max(16, *(n for _, n in compare.TREE_GRID["quick"]))
+    assert lookup.speculative_config["auto_max_nodes"] == max(16, *(n for _, n in plan.SWEEPS["quick"].tree))
     assert [s.extra_args for s in lookup.settings] == [
         {"num_speculative_tokens": 4, "max_nodes": "auto", "auto_max_nodes": 16},
-        *({"num_speculative_tokens": d, "max_nodes": n} for d, n in compare.TREE_GRID["quick"]),
+        *({"num_speculative_tokens": d, "max_nodes": n} for d, n in plan.SWEEPS["quick"].tree),
     ]
     assert lookup.settings[0].label == "auto"
 
-    status, engines = compare.plan(plan_args(draft="d", draft_path="/d"))
+    status, engines = plan.plan(plan_args(draft="/d"))
     ids = [e.id for e in engines]
-    assert {"dsbd", "beam_search", compare.SPEC_BEAM, "draft_model-k3"} <= set(ids)
+    assert {"dsbd", "beam_search", plan.SPEC_BEAM, "draft_model-k3"} <= set(ids)
     by_id = {e.id: e for e in engines}
     dsbd = by_id["dsbd"].speculative_config
     assert dsbd["model"] == "/d"
     assert by_id["beam_search"].engine_kwargs["block_size"] == 32
     # in-engine dsbd: TREE_GRID's points, then the pruned ones, each a valid request of its engine
-    pruned = compare.DSBD_PRUNE_GRID["quick"]
+    pruned = plan.SWEEPS["quick"].dsbd_prune
     assert [s.label for s in by_id["dsbd"].settings] == [
-        *(f"d{d}/n{n}" for d, n in compare.TREE_GRID["quick"]),
+        *(f"d{d}/n{n}" for d, n in plan.SWEEPS["quick"].tree),
         *(f"d{d}/n{n}/p{r}" for d, n, r in pruned),
     ]
     assert dsbd["num_speculative_tokens"] == max(d for d, _, _ in pruned)
@@ -486,58 +487,69 @@ def test_plan_follows_plugin_methods():
         assert setting.extra_args["max_nodes"] <= dsbd["max_nodes"]
     # the speculative beam search: the dsbd engine's config at TREE_GRID's depth (the pruned
     # settings' deeper trees are in-engine dsbd's), the same widths as vLLM's, whole prompts per step
-    spec = by_id[compare.SPEC_BEAM]
-    grid_depth = max(d for d, _ in compare.TREE_GRID["quick"])
+    spec = by_id[plan.SPEC_BEAM]
+    grid_depth = max(d for d, _ in plan.SWEEPS["quick"].tree)
     assert spec.speculative_config == {**dsbd, "num_speculative_tokens": grid_depth} and spec.greedy_only
     assert spec.engine_kwargs["enable_chunked_prefill"] is False
     assert [s.values for s in spec.settings] == [s.values for s in by_id["beam_search"].settings]
     assert all(s.speculative for s in spec.settings)
     # the beam searches alone: no in-engine dsbd rows; the draft's dtype reaches the plugin's config
-    status, engines = compare.plan(
-        plan_args(
-            draft="d", draft_path="/d", draft_dtype="bfloat16", methods=["none", compare.SPEC_BEAM, "beam_search"]
-        )
+    status, engines = plan.plan(
+        plan_args(draft="/d", draft_dtype="bfloat16", methods=["none", plan.SPEC_BEAM, "beam_search"])
     )
-    assert [e.id for e in engines] == [compare.SPEC_BEAM, "beam_search", "none"] and "dsbd" not in status
+    assert [e.id for e in engines] == [plan.SPEC_BEAM, "beam_search", "none"] and "dsbd" not in status
     assert engines[0].speculative_config["draft_dtype"] == "bfloat16"
     assert [s.beam_depth for s in engines[0].settings] == [None, None]  # the engine's depth
     # draft depths of the speculative search: one setting per width and depth, vLLM's widths unchanged
-    _, engines = compare.plan(
-        plan_args(draft="d", draft_path="/d", beam_depths=[3, 5], methods=["none", compare.SPEC_BEAM, "beam_search"])
-    )
+    _, engines = plan.plan(plan_args(draft="/d", beam_depths=[3, 5], methods=["none", plan.SPEC_BEAM, "beam_search"]))
     assert [(s.label, s.beam_width, s.beam_depth) for s in engines[0].settings] == [
         ("w2-d3", 2, 3), ("w2-d5", 2, 5), ("w4-d3", 4, 3), ("w4-d5", 4, 5)
     ]  # fmt: skip
     assert [s.label for s in engines[1].settings] == ["w2", "w4"]
     # in-engine dsbd beside its chain (max_width 1 at draft_model's K): no beam search unless named
-    status, engines = compare.plan(
-        plan_args(draft="d", draft_path="/d", methods=["none", "draft_model", "dsbd", compare.DSBD_CHAIN])
-    )
+    status, engines = plan.plan(plan_args(draft="/d", methods=["none", "draft_model", "dsbd", plan.DSBD_CHAIN]))
     by_id = {e.id: e for e in engines}
-    ks = compare.DRAFT_GRID["quick"]
-    assert set(by_id) == {*(f"draft_model-k{k}" for k in ks), "dsbd", compare.DSBD_CHAIN, "none"}
-    chain = by_id[compare.DSBD_CHAIN].speculative_config
+    ks = plan.SWEEPS["quick"].draft
+    assert set(by_id) == {*(f"draft_model-k{k}" for k in ks), "dsbd", plan.DSBD_CHAIN, "none"}
+    chain = by_id[plan.DSBD_CHAIN].speculative_config
     assert chain["max_width"] == 1 and chain["num_speculative_tokens"] == chain["max_nodes"] == max(ks)
-    assert [s.extra_args for s in by_id[compare.DSBD_CHAIN].settings] == [
+    assert [s.extra_args for s in by_id[plan.DSBD_CHAIN].settings] == [
         {"num_speculative_tokens": k, "max_nodes": k} for k in ks
     ]
     # --draft-ks replaces the sweep's K for draft_model and the chain alike
-    _, engines = compare.plan(
-        plan_args(
-            draft="d", draft_path="/d", sweep="none", draft_ks=[5, 7], methods=["draft_model", compare.DSBD_CHAIN]
-        )
+    _, engines = plan.plan(
+        plan_args(draft="/d", sweep="none", draft_ks=[5, 7], methods=["draft_model", plan.DSBD_CHAIN])
     )
-    assert [e.id for e in engines] == ["draft_model-k5", "draft_model-k7", compare.DSBD_CHAIN, "none"]
+    assert [e.id for e in engines] == ["draft_model-k5", "draft_model-k7", plan.DSBD_CHAIN, "none"]
     assert [s.label for s in engines[2].settings] == ["k5", "k7"]
     with pytest.raises(SystemExit, match="unknown method"):
-        compare.plan(plan_args(methods=["nope"]))
+        plan.plan(plan_args(methods=["nope"]))
+
+
+@pytest.mark.parametrize("sweep", sorted(plan.SWEEPS))
+def test_every_sweep_level_plans_requests_its_engines_accept(sweep):
+    """The plan table: each level plans every method (a draft, a corpus and a stop model given),
+    vLLM's chains an engine per K, and each plugin setting is a request its engine accepts."""
+    status, engines = plan.plan(plan_args(draft="/d", trigram="/m", stop_model="/s", sweep=sweep))
+    grid = plan.SWEEPS[sweep]
+    assert [e.id for e in engines if e.method == "ngram"] == [f"ngram-k{k}" for k in grid.chain]
+    assert [e.id for e in engines if e.method == "draft_model"] == [f"draft_model-k{k}" for k in grid.draft]
+    assert [s.label for s in {e.id: e for e in engines}["beam_search"].settings] == [f"w{w}" for w in grid.beam]
+    assert {name for name, s in status.items() if s.status != "ok"} <= {"suffix"}  # without arctic-inference
+    for engine in engines:
+        if engine.kind != "plugin" or engine.method == plan.SPEC_BEAM:
+            continue
+        method = METHODS[engine.speculative_config["method"]]
+        defaults = {name: option.default for name, option in method.options().items()}
+        for setting in engine.settings:
+            method.drafter_class().check_options({**defaults, **engine.speculative_config, **setting.extra_args})
 
 
 def test_plan_runs_lookup_tree_global_as_its_own_row():
     """The global scope on engines of its own (its index is engine-wide), one per setting so that no
     setting drafts from text an earlier one indexed, deeper settings; alone when named."""
-    status, engines = compare.plan(plan_args(methods=[compare.LOOKUP_GLOBAL]))
-    grid = compare.GLOBAL_GRID["quick"]
+    status, engines = plan.plan(plan_args(methods=[plan.LOOKUP_GLOBAL]))
+    grid = plan.SWEEPS["quick"].lookup_global
     labels = ["auto", *(f"d{d}-n{n}" for d, n in grid)]
     assert [e.id for e in engines] == [*(f"lookup_tree-global-{label}" for label in labels), "none"]
     assert "lookup_tree" not in status and all(len(e.settings) == 1 for e in engines[:-1])
@@ -548,19 +560,19 @@ def test_plan_runs_lookup_tree_global_as_its_own_row():
         {"num_speculative_tokens": 24, "max_nodes": "auto", "auto_max_nodes": 48},  # the scope's defaults
         *({"num_speculative_tokens": d, "max_nodes": n} for d, n in grid),
     ]
-    status, engines = compare.plan(plan_args(methods=["lookup_tree"]))
+    status, engines = plan.plan(plan_args(methods=["lookup_tree"]))
     assert [e.id for e in engines] == ["lookup_tree", "none"]
 
 
 def test_plan_runs_aded_with_and_without_a_corpus():
-    status, engines = compare.plan(plan_args(methods=["aded"]))
-    assert compare.ADED_CORPUS not in status
-    status, engines = compare.plan(plan_args(methods=["aded"], trigram="m", trigram_path="/m"))
+    status, engines = plan.plan(plan_args(methods=["aded"]))
+    assert plan.ADED_CORPUS not in status
+    status, engines = plan.plan(plan_args(methods=["aded"], trigram="/m"))
     by_id = {e.id: e for e in engines}
-    assert status[compare.ADED_CORPUS].status == "ok"
+    assert status[plan.ADED_CORPUS].status == "ok"
     assert "trigram" not in by_id["aded"].speculative_config
     corpus = by_id["aded-corpus"]
-    assert corpus.method == compare.ADED_CORPUS and corpus.speculative_config["trigram"] == "/m"
+    assert corpus.method == plan.ADED_CORPUS and corpus.speculative_config["trigram"] == "/m"
     assert corpus.speculative_config["method"] == "aded" and corpus.settings == by_id["aded"].settings
 
 
@@ -568,38 +580,32 @@ def test_plan_runs_mcsd_settings_on_one_engine_and_the_stop_model_apart():
     from vllm_specbeam.methods.mcsd.drafter import McsdDrafter
     from vllm_specbeam.methods.mcsd.maths import level_sizes
 
-    status, engines = compare.plan(plan_args(draft="d", draft_path="/d", methods=["none", "mcsd"]))
+    status, engines = plan.plan(plan_args(draft="/d", methods=["none", "mcsd"]))
     by_id = {e.id: e for e in engines}
-    assert compare.MCSD_STOP not in status and set(by_id) == {"mcsd", "none"}
+    assert plan.MCSD_STOP not in status and set(by_id) == {"mcsd", "none"}
     config = by_id["mcsd"].speculative_config
-    grid = compare.MCSD_GRID["quick"]
-    assert config["max_nodes"] == max(sum(level_sizes(k, compare.MCSD_DEPTH)) for k in grid)
+    grid = plan.SWEEPS["quick"].mcsd
+    assert config["max_nodes"] == max(sum(level_sizes(k, plan.MCSD_DEPTH)) for k in grid)
     # every setting is a valid request of that engine: with and without the stopping rule
     labels = [s.label for s in by_id["mcsd"].settings]
     assert labels == [f"k{','.join(map(str, k))}{tail}" for k in grid for tail in ("", "/no-stop")]
     for setting in by_id["mcsd"].settings:
         options = {name: option.default for name, option in McsdDrafter.OPTIONS.items()}
         McsdDrafter.check_options({**options, **config, **setting.extra_args})
-    status, engines = compare.plan(
-        plan_args(draft="d", draft_path="/d", methods=["none", "mcsd"], stop_model="s", stop_model_path="/s")
-    )
+    status, engines = plan.plan(plan_args(draft="/d", methods=["none", "mcsd"], stop_model="/s"))
     stop = {e.id: e for e in engines}["mcsd-stop"]
-    assert stop.method == compare.MCSD_STOP and stop.speculative_config == {**config, "stop_model": "/s"}
+    assert stop.method == plan.MCSD_STOP and stop.speculative_config == {**config, "stop_model": "/s"}
     # the ablation on the stop model's own engine: each k_config with it and with no stopping at all
     assert [s.label for s in stop.settings] == [s.label for s in {e.id: e for e in engines}["mcsd"].settings]
     # named alone, the stop model's engine runs without the plain one
-    status, engines = compare.plan(
-        plan_args(draft="d", draft_path="/d", methods=[compare.MCSD_STOP], stop_model="s", stop_model_path="/s")
-    )
+    status, engines = plan.plan(plan_args(draft="/d", methods=[plan.MCSD_STOP], stop_model="/s"))
     assert [e.id for e in engines] == ["mcsd-stop", "none"] and "mcsd" not in status
 
 
 def test_plan_runs_mcsd_depths_as_settings_of_one_engine_sized_for_the_deepest():
     from vllm_specbeam.methods.mcsd.drafter import McsdDrafter
 
-    _, engines = compare.plan(
-        plan_args(draft="d", draft_path="/d", methods=["none", "mcsd"], sweep="none", mcsd_depths=[6, 10])
-    )
+    _, engines = plan.plan(plan_args(draft="/d", methods=["none", "mcsd"], sweep="none", mcsd_depths=[6, 10]))
     engine = {e.id: e for e in engines}["mcsd"]
     assert engine.speculative_config["num_speculative_tokens"] == 10
     assert engine.speculative_config["max_nodes"] == 10  # the chain [1] at depth 10
@@ -613,52 +619,88 @@ def test_plan_runs_mcsd_depths_as_settings_of_one_engine_sized_for_the_deepest()
 def test_engine_rounds_alternate_and_pool_runs():
     """Engines restarted over rounds run in alternating order, the baseline last each time;
     their timed runs and counters pool, the first round's outputs stay and a difference shows."""
-    a, b = compare.EngineSpec("a", "a", "plugin", {}, []), compare.EngineSpec("b", "b", "vllm", {}, [])
-    none = compare.EngineSpec("none", "none", "baseline", None, [])
-    order = [(r, e.id) for r, e in compare.engine_schedule([a, b, none], 3)]
+    a, b = plan.EngineSpec("a", "a", "plugin", {}, []), plan.EngineSpec("b", "b", "vllm", {}, [])
+    none = plan.EngineSpec("none", "none", "baseline", None, [])
+    order = [(r, e.id) for r, e in processes.engine_schedule([a, b, none], 3)]
     assert order == [(0, "a"), (0, "b"), (0, "none"), (1, "b"), (1, "a"), (1, "none"), (2, "a"), (2, "b"), (2, "none")]
-    assert [e.id for _, e in compare.engine_schedule([a, b, none], 1)] == ["a", "b", "none"]
+    assert [e.id for _, e in processes.engine_schedule([a, b, none], 1)] == ["a", "b", "none"]
 
     def raw(walls: list[float], accepted: int, outputs: list[list[int]]) -> dict:
         run = {"wall_s": walls, "started_s": [100 * w for w in walls], "output_tokens_runs": [8] * len(walls)}
         run["outputs"] = outputs
         return {"runs": [{**run, "counters": {"accepted": accepted, "per_pos": [accepted, 1]}}]}
 
-    merged = compare.merge_rounds(raw([1.0, 2.0], 3, [[1, 2]]), raw([3.0], 4, [[1, 2]]))
+    merged = report.merge_rounds(raw([1.0, 2.0], 3, [[1, 2]]), raw([3.0], 4, [[1, 2]]))
     (run,) = merged["runs"]
     assert run["wall_s"] == [1.0, 2.0, 3.0] and run["output_tokens_runs"] == [8, 8, 8]
     assert run["started_s"] == [100.0, 200.0, 300.0]
     assert run["counters"] == {"accepted": 7, "per_pos": [7, 2]} and run["outputs"] == [[1, 2]]
     assert run["outputs_differ_between_rounds"] is False
-    merged = compare.merge_rounds(merged, raw([1.0], 0, [[1, 3]]))
+    merged = report.merge_rounds(merged, raw([1.0], 0, [[1, 3]]))
     assert merged["runs"][0]["outputs_differ_between_rounds"] is True and merged["runs"][0]["outputs"] == [[1, 2]]
 
 
+def test_engine_rounds_pool_each_engines_runs_and_the_baseline_scores_once(monkeypatch, tmp_path):
+    """``--engine-rounds 2`` with a stand-in worker: every engine started twice, in
+    alternating order, its timed runs and counters pooled; the baseline scores every
+    output once, in the last round."""
+    started: list[tuple[str, bool, int]] = []
+
+    def run_worker(job: worker.Job, log: Path, bar: object) -> processes.WorkerExit:
+        started.append((job.name, job.score_outputs, len(job.score)))
+        run = {"scenario": 0, "setting": 0, "wall_s": [2.0], "started_s": [0.0], "output_tokens_runs": [3]}
+        run |= {"counters": {"accepted": 1}, "outputs": [[1, 2, 3]], "texts": ["x"]}
+        scores = {"external": [[-1.0] * 3] * len(job.score), "own": [[[-1.0] * 3]], "margins": None}
+        data = {"start_s": 1.0, "async_scheduling": False, "dtype": "float32", "runs": [run]}
+        Path(job.result).write_text(json.dumps({**data, "scores": scores if job.score_outputs else None}))
+        return processes.WorkerExit(0, 10.0)
+
+    monkeypatch.setattr(offline, "run_worker", run_worker)
+    engines = [
+        plan.EngineSpec("lookup_tree", "lookup_tree", "plugin", {}, [plan.Setting("s", {})]),
+        plan.EngineSpec("none", "none", "baseline", None, [plan.Setting("-", {})]),
+    ]
+    status = {e.method: plan.MethodStatus(e.kind) for e in engines}
+    workload = offline.Workload("m", "float32", 64, 0, ["p"], 3, 1, [worker.Scenario(1, 0.0)])
+    comparison, runs = offline.compare(engines, status, workload, tmp_path, rounds=2)
+    assert started == [("lookup_tree.r1", False, 0), ("none.r1", False, 0), ("lookup_tree.r2", False, 0)] + [
+        ("none.r2", True, 1)
+    ]
+    assert {e: (r["rounds"], r["start_s_rounds"]) for e, r in comparison.records.items()} == {
+        "lookup_tree": (2, [1.0, 1.0]),
+        "none": (2, [1.0, 1.0]),
+    }
+    tree = next(r for r in runs if r["method"] == "lookup_tree")
+    assert tree["tokens_per_s_runs"] == [1.5, 1.5] and tree["counters"] == {"accepted": 2}
+    assert tree["speedup"] == 1.0 and tree["exact_match"] == 1.0 and tree["mean_loglik_per_token"] == -1.0
+    assert tree["outputs_differ_between_rounds"] is False
+
+
 def test_plan_runs_every_draft_model_engine_again_with_the_draft_vocabulary():
-    args = dict(draft="d", draft_path="/d", methods=["none", "draft_model", "dsbd-chain", "mcsd", "mjsd"])
-    _, plain = compare.plan(plan_args(**args))
-    status, engines = compare.plan(plan_args(**args, draft_vocab_path="/v"))
+    args = dict(draft="/d", methods=["none", "draft_model", "dsbd-chain", "mcsd", "mjsd"])
+    _, plain = plan.plan(plan_args(**args))
+    status, engines = plan.plan(plan_args(**args, draft_vocab="/v"))
     by_id = {e.id: e for e in engines}
     drafting = [e for e in plain if e.kind == "plugin"]
     assert {e.method for e in drafting} == {"dsbd-chain", "mcsd", "mjsd"}
     for engine in drafting:
         twin = by_id[engine.id + "-vocab"]
-        assert twin.method == engine.method + compare.VOCAB_SUFFIX and status[twin.method].engines == [twin.id]
+        assert twin.method == engine.method + plan.VOCAB_SUFFIX and status[twin.method].engines == [twin.id]
         assert twin.speculative_config == {**engine.speculative_config, "draft_vocab": "/v"}
         assert twin.settings == engine.settings
     # vLLM's own methods and the baseline run once, without it
     assert len(engines) == len(plain) + len(drafting)
     assert all("draft_vocab" not in (e.speculative_config or {}) for e in plain)
     # "X+vocab" without "X": only the twin runs
-    only = dict(args, methods=["draft_model", compare.MCSD_STOP + compare.VOCAB_SUFFIX], stop_model="s")
-    status, engines = compare.plan(plan_args(**only, stop_model_path="/s", draft_vocab_path="/v"))
+    only = dict(args, methods=["draft_model", plan.MCSD_STOP + plan.VOCAB_SUFFIX], stop_model="/s")
+    status, engines = plan.plan(plan_args(**only, draft_vocab="/v"))
     assert [e.id for e in engines] == ["draft_model-k3", "draft_model-k5", "mcsd-stop-vocab", "none"]
-    assert compare.MCSD_STOP not in status and status[compare.MCSD_STOP + compare.VOCAB_SUFFIX].status == "ok"
+    assert plan.MCSD_STOP not in status and status[plan.MCSD_STOP + plan.VOCAB_SUFFIX].status == "ok"
     with pytest.raises(SystemExit, match="need --draft-vocab"):
-        compare.plan(plan_args(**only, stop_model_path="/s"))
+        plan.plan(plan_args(**only))
     for named in ("lookup_tree+vocab", "draft_model+vocab"):  # no plugin draft model: no twin to run
         with pytest.raises(SystemExit, match="name the method without"):
-            compare.plan(plan_args(**dict(args, methods=[named]), draft_vocab_path="/v"))
+            plan.plan(plan_args(**dict(args, methods=[named]), draft_vocab="/v"))
 
 
 # ------------------------------------------------------------ end to end
@@ -686,10 +728,10 @@ def test_stop_process_tree_ends_the_worker_and_its_engine_processes(tmp_path):
         if child_pid.exists() and child_pid.read_text():
             break
         time.sleep(0.05)
-    processes = [psutil.Process(proc.pid), psutil.Process(int(child_pid.read_text()))]
-    compare.stop_process_tree(proc.pid, timeout=2)  # reaps the worker, its direct child
+    tree = [psutil.Process(proc.pid), psutil.Process(int(child_pid.read_text()))]
+    processes.stop_process_tree(proc.pid, timeout=2)  # reaps the worker, its direct child
     deadline = time.monotonic() + 10
-    for process in processes:
+    for process in tree:
         while time.monotonic() < deadline:
             try:
                 if process.status() == psutil.STATUS_ZOMBIE:  # dead, not reaped by whoever adopted it
@@ -704,50 +746,50 @@ def test_stop_process_tree_ends_the_worker_and_its_engine_processes(tmp_path):
 def test_intel_openmp_preload_prepends_once_and_respects_off(monkeypatch, tmp_path):
     # A copy of the environment: ENV_DEFAULTS (a 2 GiB KV cache) must not leak
     # into the engines later tests start from this process.
-    monkeypatch.setattr(compare.os, "environ", dict(compare.os.environ))
+    monkeypatch.setattr(processes.os, "environ", dict(processes.os.environ))
     library = tmp_path / "libiomp5.so"
     library.write_bytes(b"")
-    monkeypatch.setattr(compare, "INTEL_OPENMP", library)
-    monkeypatch.setattr(compare.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(processes, "INTEL_OPENMP", library)
+    monkeypatch.setattr(processes.platform, "machine", lambda: "x86_64")
     monkeypatch.setenv("LD_PRELOAD", "libother.so")
-    compare.set_engine_environment("off")
-    assert compare.os.environ["LD_PRELOAD"] == "libother.so"
-    compare.set_engine_environment("auto")
-    compare.set_engine_environment("auto")  # a second call does not add it twice
-    assert compare.os.environ["LD_PRELOAD"] == f"{library} libother.so"
+    processes.set_engine_environment("off")
+    assert processes.os.environ["LD_PRELOAD"] == "libother.so"
+    processes.set_engine_environment("auto")
+    processes.set_engine_environment("auto")  # a second call does not add it twice
+    assert processes.os.environ["LD_PRELOAD"] == f"{library} libother.so"
     monkeypatch.setenv("LD_PRELOAD", "/torch/lib/libgomp.so.1")
-    compare.set_engine_environment("auto")  # vLLM refuses GNU and Intel OpenMP together
-    assert compare.os.environ["LD_PRELOAD"] == "/torch/lib/libgomp.so.1"
-    monkeypatch.setattr(compare.platform, "machine", lambda: "aarch64")
+    processes.set_engine_environment("auto")  # vLLM refuses GNU and Intel OpenMP together
+    assert processes.os.environ["LD_PRELOAD"] == "/torch/lib/libgomp.so.1"
+    monkeypatch.setattr(processes.platform, "machine", lambda: "aarch64")
     monkeypatch.setenv("LD_PRELOAD", "")
-    compare.set_engine_environment("auto")
-    assert compare.os.environ["LD_PRELOAD"] == ""  # Intel OpenMP is x86 only
-    assert compare.os.environ["VLLM_CPU_KVCACHE_SPACE"] == compare.ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
+    processes.set_engine_environment("auto")
+    assert processes.os.environ["LD_PRELOAD"] == ""  # Intel OpenMP is x86 only
+    assert processes.os.environ["VLLM_CPU_KVCACHE_SPACE"] == processes.ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
 
 
 def test_dtype_auto_is_the_checkpoints_unless_the_cpu_lacks_bfloat16(monkeypatch, capsys):
-    assert compare.parse_args([]).dtype == "auto"
-    monkeypatch.setattr(compare.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(compare, "engines_run_on_cpu", lambda: True)
+    assert [script.parse_args([]).dtype for script in (compare, serve_bench, load_test)] == ["auto"] * 3
+    monkeypatch.setattr(host.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(host, "engines_run_on_cpu", lambda: True)
     for flags in ({"avx512f", "avx512_bf16"}, {"amx_bf16", "amx_tile"}):
-        monkeypatch.setattr(compare, "cpu_flags", lambda flags=flags: flags)
-        assert compare.choose_dtype("auto") == compare.DtypeChoice("auto", "auto")
+        monkeypatch.setattr(host, "cpu_flags", lambda flags=flags: flags)
+        assert host.choose_dtype("auto") == host.DtypeChoice("auto", "auto")
     assert capsys.readouterr().out == ""
-    monkeypatch.setattr(compare, "cpu_flags", lambda: {"avx2", "avx512f", "amx_tile"})  # AMX tiles, no bf16
-    choice = compare.choose_dtype("auto")
+    monkeypatch.setattr(host, "cpu_flags", lambda: {"avx2", "avx512f", "amx_tile"})  # AMX tiles, no bf16
+    choice = host.choose_dtype("auto")
     assert choice.engine == "float32" and "no native bfloat16" in choice.fallback
     assert capsys.readouterr().out.startswith("--dtype auto: this x86_64 CPU has no native bfloat16")
-    assert compare.choose_dtype("bfloat16") == compare.DtypeChoice("bfloat16", "bfloat16")  # asked for: kept
-    monkeypatch.setattr(compare, "engines_run_on_cpu", lambda: False)  # a GPU's engines: the host CPU is no matter
-    assert compare.choose_dtype("auto").engine == "auto"
-    monkeypatch.setattr(compare, "engines_run_on_cpu", lambda: True)
-    monkeypatch.setattr(compare.platform, "machine", lambda: "aarch64")
-    assert compare.choose_dtype("auto").engine == "float32"
-    monkeypatch.setattr(compare, "cpu_flags", lambda: {"asimd", "bf16"})
-    assert compare.choose_dtype("auto").engine == "auto"
+    assert host.choose_dtype("bfloat16") == host.DtypeChoice("bfloat16", "bfloat16")  # asked for: kept
+    monkeypatch.setattr(host, "engines_run_on_cpu", lambda: False)  # a GPU's engines: the host CPU is no matter
+    assert host.choose_dtype("auto").engine == "auto"
+    monkeypatch.setattr(host, "engines_run_on_cpu", lambda: True)
+    monkeypatch.setattr(host.platform, "machine", lambda: "aarch64")
+    assert host.choose_dtype("auto").engine == "float32"
+    monkeypatch.setattr(host, "cpu_flags", lambda: {"asimd", "bf16"})
+    assert host.choose_dtype("auto").engine == "auto"
     # the result records the flags
-    monkeypatch.setattr(compare, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    assert compare.environment("m", None)["cpu_bf16"] == {
+    monkeypatch.setattr(host, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert host.environment("m", None)["cpu_bf16"] == {
         "amx_bf16": False,
         "amx_tile": False,
         "avx512_bf16": True,
@@ -756,13 +798,13 @@ def test_dtype_auto_is_the_checkpoints_unless_the_cpu_lacks_bfloat16(monkeypatch
 
 
 def test_cpu_flags_reads_proc_cpuinfo(monkeypatch, tmp_path):
-    monkeypatch.setattr(compare, "CPUINFO", tmp_path / "cpuinfo")
+    monkeypatch.setattr(host, "CPUINFO", tmp_path / "cpuinfo")
     (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n\nprocessor\t: 1\n")
-    assert compare.cpu_flags() == {"fpu", "avx512f", "avx512_bf16"}
+    assert host.cpu_flags() == {"fpu", "avx512f", "avx512_bf16"}
     (tmp_path / "cpuinfo").write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # aarch64
-    assert compare.cpu_flags() == {"fp", "asimd", "bf16"}
+    assert host.cpu_flags() == {"fp", "asimd", "bf16"}
     (tmp_path / "cpuinfo").unlink()
-    assert compare.cpu_flags() == set()
+    assert host.cpu_flags() == set()
 
 
 def tiny_benchmark(tiny_model, tmp_path, *options: str) -> tuple[dict, Path]:
@@ -783,21 +825,20 @@ def tiny_benchmark(tiny_model, tmp_path, *options: str) -> tuple[dict, Path]:
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
-    metrics.validate_result(result)
+    report.validate_result(result)
     return result, out
 
 
 @pytest.mark.server  # compare.py's worker processes
 def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
-    """none + lookup_tree on the tiny model: two engines, each started twice (rounds), greedy,
-    batch sizes 1 and 2; the JSON, table and plot agree with each other."""
-    result, out = tiny_benchmark(
-        tiny_model, tmp_path, "--batch-sizes", "1", "2", "--repeats", "1", "--engine-rounds", "2"
-    )
+    """none + lookup_tree on the tiny model, compiled as a benchmark runs them: two engines,
+    greedy, batch sizes 1 and 2; the JSON, table and plot agree with each other. (Rounds:
+    test_engine_rounds_pool_each_engines_runs_and_the_baseline_scores_once.)"""
+    result, out = tiny_benchmark(tiny_model, tmp_path, "--batch-sizes", "1", "2", "--repeats", "1")
     assert result["methods"]["lookup_tree"]["status"] == "ok"
     assert {e["id"]: (e["status"], e["rounds"]) for e in result["engines"]} == {
-        "lookup_tree": ("ok", 2),
-        "none": ("ok", 2),
+        "lookup_tree": ("ok", 1),
+        "none": ("ok", 1),
     }
     # vLLM's own resolution, recorded: off for custom_class methods, and for every engine on CPU
     assert {e["id"]: e["async_scheduling"] for e in result["engines"]} == {"lookup_tree": False, "none": False}
@@ -807,7 +848,7 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
     assert (config["dtype"], config["engine_dtype"], config["dtype_resolved"]) == ("float32",) * 3
     assert config["dtype_fallback"] is None and config["near_tie"] == 0.5
     assert {e["id"]: e["dtype"] for e in result["engines"]} == {"lookup_tree": "float32", "none": "float32"}
-    assert set(result["environment"]["cpu_bf16"]) == set(compare.RECORDED_FLAGS)
+    assert set(result["environment"]["cpu_bf16"]) == set(host.RECORDED_FLAGS)
     # nothing diverged: no float32 engine started for margins, nothing flagged
     assert result["clear_margin_divergences"] == [] and result["margin_engine"] is None
     runs = {(r["method"], r["batch_size"]): r for r in result["runs"]}
@@ -824,9 +865,7 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert tree["counters"]["accepted"] == tree["counters"]["tree_accepted"] > 0
         assert tree["accepted_per_step"] > 0 and tree["steps_per_output_token"] < 1
         assert tree["output_tokens"] == 3 * 24 and tree["peak_rss_mib"] > 100
-        # one timed run per round, pooled; the rounds wrote the same tokens
-        assert len(tree["tokens_per_s_runs"]) == len(base["tokens_per_s_runs"]) == 2
-        assert tree["outputs_differ_between_rounds"] is False
+        assert len(tree["tokens_per_s_runs"]) == len(base["tokens_per_s_runs"]) == 1
     # The table: one row per method and batch size, the baseline first, and cells that
     # agree with the JSON and with each other (the speedup is the ratio of the tok/s cells).
     table = read_markdown_table((out / "table.md").read_text())
@@ -848,16 +887,20 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert float(tree["speedup"]) == pytest.approx(ratio, rel=0.01, abs=0.01)
         assert float(tree["accepted/step"]) > 0 and float(tree["steps/token"]) < 1
         assert tree["loglik/token"] == base["loglik/token"]  # lossless greedy: the same tokens
-    assert (out / "speedup_vs_quality.png").read_bytes()[:4] == b"\x89PNG"
+    # greedy and lossless: the bar chart alone (every method's quality is the baseline's)
+    assert result["artifacts"]["plots"] == [str(out / report.BARS_PNG)]
+    assert (out / report.BARS_PNG).read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.server
 def test_interleaved_benchmark_takes_turns(tiny_model, tmp_path):
     """``--interleave``: both engines alive together, their timed runs one at a time in
     turns (lookup_tree, none, then the other way round), never overlapping; the
-    baseline still scores every output afterwards."""
-    result, _ = tiny_benchmark(tiny_model, tmp_path, "--batch-sizes", "1", "--repeats", "2", "--interleave")
-    assert result["config"]["interleave"] is True
+    baseline still scores every output afterwards. Eager engines: the turns are the point."""
+    options = ("--batch-sizes", "1", "--repeats", "2", "--interleave", "--enforce-eager")
+    result, _ = tiny_benchmark(tiny_model, tmp_path, *options)
+    assert result["config"]["interleave"] is True and result["config"]["enforce_eager"] is True
+    assert [e["engine_kwargs"] for e in result["engines"]] == [{"enforce_eager": True}] * 2
     runs = {run["method"]: run for run in result["runs"]}
     spans = sorted(
         (start, start + wall, method)

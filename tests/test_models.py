@@ -19,10 +19,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import models  # noqa: E402
+from benchmarks import models
 
 PARTS = [b"GGUF first slice " * 64, b"second slice " * 64]
 FAKE = "fake-model"

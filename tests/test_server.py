@@ -17,7 +17,6 @@ requests are tested in-process (test_batch_robustness.py).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -28,9 +27,7 @@ import requests
 from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, greedy, make_prompts
 from specs import MCSD
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import load_test
-
+from benchmarks import load_test
 from vllm_specbeam.core.config import parse
 
 STARTUP_SECONDS = 300

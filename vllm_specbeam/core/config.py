@@ -87,7 +87,7 @@ BUDGET_OPTIONS: dict[str, Option] = {
 }
 
 
-#: Options of draft-model methods whose trees start with lookup branches (``mcsd``).
+#: Options of draft-model methods whose trees start with lookup branches (``mcsd``, ``dsbd``).
 LOOKUP_OPTIONS: dict[str, Option] = {
     "lookup": Option(
         "off",

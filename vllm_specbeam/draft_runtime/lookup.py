@@ -18,16 +18,23 @@ drawn from (``tests/test_hybrid_lookup.py`` enumerates it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from vllm_specbeam.core.budget import FILL_KIND, RequestBudget, StepBudget, lookup_first
 from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
+
+#: a draft model's trees for ``requests``: at most ``caps`` nodes each, first levels without ``excludes``
+DraftFill = Callable[[list[DraftRequest], list[int], list[list[int]]], list[DraftTree]]
+#: one request's tree from its lookup tree and the draft model's (empty when it ran no forward)
+Mix = Callable[[DraftRequest, DraftTree, DraftTree], DraftTree]
 
 
 class LookupBranches:
@@ -67,10 +74,41 @@ class LookupBranches:
             if state.drafted is not None:
                 self.values.observe_committed(request.req_id, tokens[state.drafted_at :].tolist(), tokens.size)
             rates = self.values.rates(request.req_id, engine)
-            out.append(
-                lookup_first(lookup, fill, request.options["max_nodes"], rates, request.options["stop_threshold"])
-            )
+            # a method without a stopping threshold (dsbd) drafts every fill node the budget leaves
+            min_value = request.options.get("stop_threshold", 0.0)
+            out.append(lookup_first(lookup, fill, request.options["max_nodes"], rates, min_value))
         return out
+
+    def propose(
+        self,
+        runtime: DraftRuntime,
+        requests: list[DraftRequest],
+        fills: Sequence[DraftTree],
+        draft: DraftFill,
+        mix: Mix = lambda request, lookup, drafted: mixed_tree(lookup, drafted),
+    ) -> list[DraftTree]:
+        """Every request's tree: its lookup branches (:meth:`split`), then ``draft``'s nodes for
+        those the lookup leaves room for, mixed by ``mix``; the others run no draft forward
+        (``runtime.defer``) and get ``mix(request, lookup, DraftTree.empty())``."""
+        split = self.split(requests, fills)
+        drafting = [k for k, (_, cap) in enumerate(split) if cap > 0]
+        runtime.defer([r.req_id for r, (_, cap) in zip(requests, split) if cap == 0])
+        drafted = dict(
+            zip(
+                drafting,
+                draft(
+                    [requests[k] for k in drafting],
+                    [split[k][1] for k in drafting],
+                    [root_tokens(split[k][0]) for k in drafting],
+                ),
+            )
+        )
+        trees = [
+            mix(r, lookup, drafted.get(k, DraftTree.empty())) for k, (r, (lookup, _)) in enumerate(zip(requests, split))
+        ]
+        for request, tree in zip(requests, trees):
+            self.drafted(request, tree)
+        return trees
 
     def drafted(self, request: DraftRequest, tree: DraftTree) -> None:
         """The tree verified for ``request`` this step (its nodes are judged at the next)."""
@@ -105,6 +143,13 @@ def mixed_tree(lookup: DraftTree, draft: DraftTree) -> DraftTree:
         point[np.arange(n), lookup.tokens] = 1.0
         probs = np.concatenate([point, draft.draft_probs])  # [nodes, V]
     return DraftTree(np.concatenate([lookup.tokens, draft.tokens]), parents, probs, kinds=kinds)
+
+
+def without(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``q``'s rows (``[rows, V]``) with ``tokens`` removed, renormalised: the law a draft model's
+    first level is drawn from below lookup siblings (all zero where they took all of ``q``)."""
+    q = q.index_fill(-1, tokens, 0.0)
+    return q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
 
 
 def root_tokens(tree: DraftTree) -> list[int]:

