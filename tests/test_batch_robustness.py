@@ -39,12 +39,12 @@ def _live_state(worker) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module", params=["aded", "dsbd"])
-def tight(request, engines, tiny_draft):
+def tight(request, engines, near_draft):
     if request.param == "aded":
         return engines.get(ADED_AUTO, **TIGHT)
     # The same six blocks: each holds the draft's K/V too (same shape as the target's), in vLLM's cache.
     return engines.get(
-        {"method": "dsbd", "model": tiny_draft, "num_speculative_tokens": 3, "max_nodes": 12, "max_width": 1},
+        {"method": "dsbd", "model": near_draft, "num_speculative_tokens": 3, "max_nodes": 12, "max_width": 1},
         **{**TIGHT, "kv_cache_memory_bytes": 2 * TIGHT["kv_cache_memory_bytes"]},
     )
 

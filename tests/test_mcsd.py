@@ -216,8 +216,9 @@ def mcsd(engines, near_draft):
 def test_greedy_equals_no_speculation(mcsd, prompts, reference, extra_args) -> None:
     before = runner_stats(mcsd)
     assert token_ids(mcsd.generate(prompts, with_args(greedy(), extra_args))) == reference
-    one_at_a_time = [token_ids(mcsd.generate([p], with_args(greedy(), extra_args)))[0] for p in prompts[:3]]
-    assert one_at_a_time == reference[:3]
+    if extra_args is None:  # the default trees, without batch neighbours too
+        one_at_a_time = [token_ids(mcsd.generate([p], greedy()))[0] for p in prompts[:3]]
+        assert one_at_a_time == reference[:3]
     after = runner_stats(mcsd)
     trees = after["trees"] - before["trees"]
     assert trees > 0 and after["accepted"] > before["accepted"]
@@ -291,10 +292,10 @@ def test_a_stop_model_engine_is_greedy_exact(engines, mcsd, near_draft, stop_mod
     """The stop model decides the depth: the same requests draft other depths than under the
     default rule (the engine without it), and the output stays greedy decoding."""
     llm = engines.get({**MCSD, "model": near_draft, "stop_model": str(stop_model_dir)})
-    outputs, trees, depth_sum = depths_drafted(llm, prompts)
-    assert outputs == reference and trees > 0
-    without = depths_drafted(mcsd, prompts)
-    assert without[0] == reference
+    outputs, trees, depth_sum = depths_drafted(llm, prompts[:6])
+    assert outputs == reference[:6] and trees > 0
+    without = depths_drafted(mcsd, prompts[:6])
+    assert without[0] == reference[:6]
     assert (trees, depth_sum) != without[1:], "the stop model drafted the default rule's depths: was it used?"
 
 
