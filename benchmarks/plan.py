@@ -30,6 +30,14 @@ ADED_CORPUS = "aded+corpus"
 SPEC_BEAM = "dsbd-beam"
 #: with ``--draft-vocab``: every plugin engine with a draft model again with that ``draft_vocab`` (``mcsd+vocab``).
 VOCAB_SUFFIX = "+vocab"
+#: a draft-model row again with ``"lookup": "global"`` (issue #48: each tree starts with ``lookup_tree``'s
+#: branches from every request the engine finished, the draft fills what the budget leaves), at the row's
+#: settings and sizes, an engine per setting (:func:`row_engines`): ``mcsd+lookup`` beside ``mcsd``, and
+#: ``dsbd-chain+lookup`` (``max_width: 1``: lossless) beside ``dsbd-chain``.
+LOOKUP_SUFFIX = "+lookup"
+LOOKUP_TWIN = {"lookup": "global"}
+MCSD_LOOKUP = "mcsd" + LOOKUP_SUFFIX
+DSBD_CHAIN_LOOKUP = DSBD_CHAIN + LOOKUP_SUFFIX
 
 #: Methods whose greedy output is not the target's by design (``mjsd``'s joint
 #: rule): their clear-margin divergences are recorded, not reported as bug signals.
@@ -228,11 +236,21 @@ def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec
     if wanted is not None:
         wanted = {m.removesuffix(VOCAB_SUFFIX) for m in wanted}
     rows = {"none", *VLLM_METHODS, "beam_search", SPEC_BEAM, DSBD_CHAIN, MCSD_STOP, LOOKUP_GLOBAL, *plugin_methods()}
+    rows |= {MCSD_LOOKUP, DSBD_CHAIN_LOOKUP}
     unknown = (wanted or set()) - rows
     if unknown:
         raise SystemExit(f"unknown method(s) {sorted(unknown)}")
     status: dict[str, MethodStatus] = {}
     engines: list[EngineSpec] = []
+
+    def wants(row: str) -> bool:
+        return wanted is None or row in wanted
+
+    def lookup_twin(row: str, engine_id: str, config: dict[str, Any], settings: list[Setting]) -> None:
+        """``row`` + :data:`LOOKUP_SUFFIX` when wanted: ``row``'s engine with :data:`LOOKUP_TWIN`."""
+        if wants(row + LOOKUP_SUFFIX):
+            status[row + LOOKUP_SUFFIX] = MethodStatus("plugin")
+            engines.extend(row_engines(engine_id + "-lookup", row + LOOKUP_SUFFIX, {**config, **LOOKUP_TWIN}, settings))
 
     def chain(method: str, ks: tuple[int, ...], base: dict[str, Any]) -> None:
         status[method] = MethodStatus("vllm")
@@ -259,9 +277,11 @@ def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec
     for name, method in plugin_methods().items():
         # rows of their own on a method's engines (the speculative beam search and the chain on
         # dsbd's, the global scope on lookup_tree's), with or without the method's own rows
-        extra_rows = {"dsbd": {SPEC_BEAM, DSBD_CHAIN}, "lookup_tree": {LOOKUP_GLOBAL}, "mcsd": {MCSD_STOP}}.get(
-            name, set()
-        )
+        extra_rows = {
+            "dsbd": {SPEC_BEAM, DSBD_CHAIN, DSBD_CHAIN_LOOKUP},
+            "lookup_tree": {LOOKUP_GLOBAL},
+            "mcsd": {MCSD_STOP, MCSD_LOOKUP},
+        }.get(name, set())
         extra_rows_only = wanted is not None and name not in wanted and not wanted.isdisjoint(extra_rows)
         if wanted is not None and name not in wanted and not extra_rows_only:
             continue
@@ -285,6 +305,8 @@ def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec
             # Its no-stop settings are the stop model's ablation on the same engine.
             stop_config = {**config, "stop_model": options.stop_model}
             engines.append(EngineSpec("mcsd-stop", MCSD_STOP, "plugin", stop_config, settings))
+        if name == "mcsd":
+            lookup_twin(name, name, config, settings)
         if name in BEAM_METHODS:
             available_beam.append(name)
         if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted):
@@ -311,24 +333,22 @@ def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec
                     engine_kwargs={**BEAM_ENGINE, "enable_chunked_prefill": False},
                 )
             )
-        if name == "dsbd" and (wanted is None or DSBD_CHAIN in wanted):
-            status[DSBD_CHAIN] = MethodStatus("plugin")
+        if name == "dsbd" and (wants(DSBD_CHAIN) or wants(DSBD_CHAIN_LOOKUP)):
             ks = options.draft_ks or grid.draft
             chain_config = {**config, "num_speculative_tokens": max(ks), "max_nodes": max(ks), "max_width": 1}
             chain_settings = [
                 Setting(f"k{k}", {"num_speculative_tokens": k}, {"num_speculative_tokens": k, "max_nodes": k})
                 for k in ks
             ]
-            engines.append(EngineSpec(DSBD_CHAIN, DSBD_CHAIN, "plugin", chain_config, chain_settings))
-        if name == "lookup_tree" and (wanted is None or LOOKUP_GLOBAL in wanted):
+            if wants(DSBD_CHAIN):
+                status[DSBD_CHAIN] = MethodStatus("plugin")
+                engines.append(EngineSpec(DSBD_CHAIN, DSBD_CHAIN, "plugin", chain_config, chain_settings))
+            lookup_twin(DSBD_CHAIN, DSBD_CHAIN, chain_config, chain_settings)
+        if name == "lookup_tree" and wants(LOOKUP_GLOBAL):
             status[LOOKUP_GLOBAL] = MethodStatus("plugin")
             global_sizes, global_settings = tree_sweep(method, grid.lookup_global, {"scope": "global"})
             global_config = {**config, **global_sizes, "scope": "global"}
-            # One engine per setting: a setting run after another would draft from the text
-            # the earlier one indexed, so a workload without repetition would have some.
-            for setting in global_settings:
-                engine_id = f"lookup_tree-global-{setting.label.replace('/', '-')}"
-                engines.append(EngineSpec(engine_id, LOOKUP_GLOBAL, "plugin", global_config, [setting]))
+            engines.extend(row_engines("lookup_tree-global", LOOKUP_GLOBAL, global_config, global_settings))
         if name == "aded" and options.trigram:
             # The same method started from a corpus matrix, as its own row.
             status[ADED_CORPUS] = MethodStatus("plugin")
@@ -370,6 +390,24 @@ def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec
     for engine in engines:
         status[engine.method].engines.append(engine.id)
     return status, engines
+
+
+def learns_across_requests(config: dict[str, Any]) -> bool:
+    """Whether an engine of ``config`` drafts from the requests it finished (``lookup_tree``'s
+    global scope, a draft-model method's global lookup branches)."""
+    return config.get("scope") == "global" or config.get("lookup") == "global"
+
+
+def row_engines(engine_id: str, row: str, config: dict[str, Any], settings: list[Setting]) -> list[EngineSpec]:
+    """A plugin row's engines: one for all its settings, or one per setting (``<engine_id>-<label>``)
+    when the engine learns across requests: a setting run after another would draft from the text
+    the earlier one indexed, so a workload without repetition would have some."""
+    if not learns_across_requests(config):
+        return [EngineSpec(engine_id, row, "plugin", config, settings)]
+    return [
+        EngineSpec(f"{engine_id}-{s.label.replace('/', '-').replace(',', '-')}", row, "plugin", config, [s])
+        for s in settings
+    ]
 
 
 def mcsd_plan(

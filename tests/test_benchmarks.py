@@ -564,6 +564,50 @@ def test_plan_runs_lookup_tree_global_as_its_own_row():
     assert [e.id for e in engines] == ["lookup_tree", "none"]
 
 
+def test_plan_runs_the_lookup_twins_of_mcsd_and_the_dsbd_chain_an_engine_per_setting():
+    """``mcsd+lookup`` and ``dsbd-chain+lookup``: their rows' engines and settings with ``"lookup":
+    "global"`` (issue #48), one engine per setting (the index is engine-wide); selectable beside
+    their rows or alone, and under ``all``."""
+    methods = ["none", "mcsd", plan.MCSD_LOOKUP, plan.DSBD_CHAIN, plan.DSBD_CHAIN_LOOKUP]
+    status, engines = plan.plan(plan_args(draft="/d", sweep="none", methods=methods))
+    by_id = {e.id: e for e in engines}
+    mcsd, chain = by_id["mcsd"], by_id[plan.DSBD_CHAIN]
+    assert status[plan.MCSD_LOOKUP].engines == ["mcsd-lookup-k1", "mcsd-lookup-k1-no-stop"]
+    assert status[plan.DSBD_CHAIN_LOOKUP].engines == ["dsbd-chain-lookup-k3"]
+    for row, plain in ((plan.MCSD_LOOKUP, mcsd), (plan.DSBD_CHAIN_LOOKUP, chain)):
+        twins = [by_id[engine_id] for engine_id in status[row].engines]
+        assert all(e.method == row and e.kind == "plugin" and len(e.settings) == 1 for e in twins)
+        assert all(e.speculative_config == {**plain.speculative_config, "lookup": "global"} for e in twins)
+        assert [e.settings[0] for e in twins] == plain.settings
+        assert "lookup" not in plain.speculative_config
+        method = METHODS[plain.speculative_config["method"]]
+        defaults = {name: option.default for name, option in method.options().items()}
+        for engine in twins:  # a request its engine accepts, and an engine the method accepts
+            options = {**defaults, **engine.speculative_config, **engine.settings[0].extra_args}
+            method.drafter_class().check_options(options)
+            method.drafter_class().check_startup({**defaults, **engine.speculative_config})
+    assert mcsd.speculative_config["k_config"] == [1] and mcsd.speculative_config["num_speculative_tokens"] == 6
+    assert chain.speculative_config["max_width"] == 1 and chain.speculative_config["max_nodes"] == 3
+    # the twins alone (no plain rows), and --draft-ks: an engine per K
+    status, engines = plan.plan(
+        plan_args(draft="/d", sweep="none", draft_ks=[3, 5], methods=[plan.MCSD_LOOKUP, plan.DSBD_CHAIN_LOOKUP])
+    )
+    assert [e.id for e in engines] == [
+        "dsbd-chain-lookup-k3", "dsbd-chain-lookup-k5", "mcsd-lookup-k1", "mcsd-lookup-k1-no-stop", "none"
+    ]  # fmt: skip
+    assert {"mcsd", "dsbd", plan.DSBD_CHAIN} & set(status) == set()
+    assert [e.settings[0].extra_args for e in engines[:2]] == [
+        {"num_speculative_tokens": k, "max_nodes": k} for k in (3, 5)
+    ]
+    # a plain row alone brings no twin; "all" (with a draft) brings both
+    _, engines = plan.plan(plan_args(draft="/d", methods=["mcsd", plan.DSBD_CHAIN]))
+    assert not any("lookup" in (e.speculative_config or {}) for e in engines)
+    status, _ = plan.plan(plan_args(draft="/d"))
+    assert status[plan.MCSD_LOOKUP].status == status[plan.DSBD_CHAIN_LOOKUP].status == "ok"
+    status, _ = plan.plan(plan_args(methods=[plan.MCSD_LOOKUP]))
+    assert status["mcsd"].status == "skipped" and plan.MCSD_LOOKUP not in status  # needs --draft
+
+
 def test_plan_runs_aded_with_and_without_a_corpus():
     status, engines = plan.plan(plan_args(methods=["aded"]))
     assert plan.ADED_CORPUS not in status
