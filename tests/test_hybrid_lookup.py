@@ -30,7 +30,7 @@ from vllm_specbeam.core.budget import DEPTH_BUCKETS, FILL_KIND, KIND_BUCKETS, RA
 from vllm_specbeam.core.config import METHODS, SpecbeamConfigError, parse
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
-from vllm_specbeam.draft_runtime.lookup import mixed_tree, root_tokens
+from vllm_specbeam.draft_runtime.lookup import fill_paid, mixed_tree, root_tokens
 from vllm_specbeam.methods.mcsd.drafter import McsdDrafter, _Growth
 
 # ---------------------------------------------------------------- the mixed tree's law, enumerated
@@ -202,6 +202,67 @@ def test_without_a_match_the_draft_drafts_alone_and_learns() -> None:
     assert state.counts.trials.sum() == 3 and state.counts.hits.sum() == 2
     d.remove_requests(["r"])
     assert "r" not in d.lookup.values.requests
+
+
+FIRST_FILL = int(path_logits((), 99).argmax())  # the fake draft's first token below a root alone
+CYCLE = [t for t in range(12) if t != FIRST_FILL]  # a text the lookup predicts once it has gone round once
+
+
+def drive(d: McsdDrafter, runtime: DeferringRuntime, tokens: list[int], commits) -> list[int]:
+    """Steps of ``d`` on one request: ``commits(step, tree)`` are the tokens the target commits
+    after the step's tree. Returns the steps whose trees held draft (fill) nodes; checks that
+    the others ran no draft forward."""
+    filled = []
+    for step, commit in enumerate(commits):
+        synced = len(runtime.synced)
+        tree = d.propose([DraftRequest("r", np.array(tokens), d.options)])[0]
+        if tree.kinds is not None and (tree.kinds == FILL_KIND).any():
+            filled.append(step)
+        else:
+            assert len(runtime.synced) == synced and runtime.deferred[-1] == "r"
+        tokens += commit(step, tree)
+    return filled
+
+
+def novel(step: int, tree: DraftTree) -> list[int]:
+    """New text, no token of which the draft guesses: the lookup finds nothing, the fill misses."""
+    return [1000 + step]
+
+
+def test_a_fill_left_out_by_the_threshold_is_tried_again_on_a_back_off() -> None:
+    """One missed fill node valued the fill below ``stop_threshold`` (its prior is the threshold),
+    and a fill never drafted is never judged: no draft again, however new the text (issue #48's
+    absorbing state). A fill left out retries after 1, 2, 4, 8 steps without it."""
+    runtime = DeferringRuntime()
+    d = hybrid(runtime, max_nodes=8, k_config=[1])
+    assert d.options["stop_threshold"] == 0.5
+    assert drive(d, runtime, [1, 2, 3], [novel] * 30) == [0, 2, 5, 10, 19, 28]
+
+
+def test_the_fill_is_tried_behind_a_lookup_and_used_again_where_the_lookup_stops_matching() -> None:
+    runtime = DeferringRuntime()
+    d = hybrid(runtime, max_nodes=16, lookup_depth=4, k_config=[1])
+
+    def cycle(step: int, tree: DraftTree) -> list[int]:  # the target goes round: the lookup's chain, then one more
+        tokens = tree.tokens[tree.kinds != FILL_KIND].tolist()
+        return [*tokens, CYCLE[(CYCLE.index(tokens[-1]) + 1) % len(CYCLE)]]
+
+    def drafts(step: int, tree: DraftTree) -> list[int]:  # new text the draft guesses the first token of
+        return [FIRST_FILL, 2000 + step]
+
+    tokens = [500, 501, 502]
+    assert drive(d, runtime, tokens, [novel] * 3) == [0, 2]  # the fill (below the root alone) missed twice
+    tokens += CYCLE + CYCLE[:2]
+    filled = drive(d, runtime, tokens, [cycle] * 20)  # the lookup's chain, the fill behind it, missing
+    assert filled == [2, 7, 16]  # tried after 2 (the rest carries over), 4 and 8 lookup-only steps
+    assert drive(d, runtime, tokens, [drafts] * 10) == list(range(5, 10))  # back within 8 steps, then every step
+
+
+def test_a_fill_pays_when_the_committed_tokens_walk_through_its_nodes() -> None:
+    # lookup a -> b; fill c below the root, d below it
+    tree = DraftTree(np.array([5, 6, 7, 8]), np.array([ROOT, 0, ROOT, 2]), kinds=np.array([1, 1, FILL_KIND, FILL_KIND]))
+    assert fill_paid(tree, [7, 1]) and fill_paid(tree, [7, 8, 9])
+    assert not fill_paid(tree, [5, 6, 8]) and not fill_paid(tree, [6, 7]) and not fill_paid(tree, [])
 
 
 def test_off_drafts_exactly_as_before() -> None:

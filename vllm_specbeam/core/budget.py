@@ -44,6 +44,8 @@ REQUEST_DECAY = 0.97
 ENGINE_DECAY = 0.995
 #: a request whose drafts were pruned to nothing sits out 1, 3, 7 steps before drafting again
 MAX_IDLE_DOUBLINGS = 3
+#: longest rest, in steps, of a source after fruitless tries (:class:`BackOff`: 1, 2, 4, 8)
+MAX_REST = 8
 #: the kind of the nodes that fill what lookup branches (kinds 0-2, by match length) leave: a draft model's
 FILL_KIND = 3
 
@@ -227,6 +229,33 @@ def choose_nodes(
     chosen = np.zeros(flat.size, bool)
     chosen[np.argsort(-flat, kind="stable")[:keep_count]] = True
     return np.split(chosen, np.cumsum([tree.num_nodes for tree in trees])[:-1])
+
+
+@dataclass
+class BackOff:
+    """How long a request's drafting source (``aded``'s search, a draft model behind lookup
+    branches) sits out after tries none of whose own nodes the target committed.
+
+    Example: fruitless tries at steps 0, 2 and 5 rest steps 1; 3-4; 6-9;
+    a try at step 10 whose node the target commits lets step 11 try again."""
+
+    #: request-steps left to sit out
+    left: int = 0
+    #: the rest after the next fruitless try
+    next: int = 1
+
+    def allows(self) -> bool:
+        """Whether this request-step may try (one step of rest passes either way)."""
+        resting = self.left > 0
+        self.left = max(0, self.left - 1)
+        return not resting
+
+    def after(self, paid: bool) -> None:
+        """Record how a try was judged: ``paid`` when the target committed one of its own nodes."""
+        if paid:
+            self.next = 1
+        else:
+            self.left, self.next = self.next, min(2 * self.next, MAX_REST)
 
 
 @dataclass

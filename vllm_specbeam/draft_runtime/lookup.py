@@ -7,7 +7,9 @@ leave (:func:`~vllm_specbeam.core.budget.lookup_first`: nodes valued by the
 acceptance per kind, depth and rank that :class:`~vllm_specbeam.core.budget.StepBudget`
 learns from the committed tokens); when they leave none, the draft runs no forward
 that step (``DraftRuntime.defer``) and catches up at its next sync. Its first-level
-tokens exclude the lookup's, so no draft node repeats a lookup sibling.
+tokens exclude the lookup's, so no draft node repeats a lookup sibling. A draft that
+``stop_threshold`` alone left out is tried regardless after 1, 2, 4, 8 such steps
+(:class:`~vllm_specbeam.core.budget.BackOff`): its value is learnt only from its tries.
 
 Lossless: lookup nodes are deterministic drafts (a point mass as their ``q`` row),
 draft-model nodes samples of the draft's ``q`` with the lookup's tokens removed;
@@ -24,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_specbeam.core.budget import FILL_KIND, RequestBudget, StepBudget, lookup_first
+from vllm_specbeam.core.budget import FILL_KIND, BackOff, RequestBudget, StepBudget, lookup_first
 from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
-from vllm_specbeam.core.tree import ROOT, DraftTree
+from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 
@@ -49,6 +51,8 @@ class LookupBranches:
         self.drafter = LookupTreeDrafter(lookup)
         #: acceptance per (kind, depth, rank), learnt from the committed tokens (no step cost: never pruned by it)
         self.values = StepBudget()
+        #: per request: how long a draft the threshold left out waits before it is tried regardless
+        self.fill_rests: dict[str, BackOff] = {}
         #: engine depth: a request drafting shallower (per request, or near its max_tokens) draws lookup
         #: branches no deeper than its depth
         self.engine_depth = int(options["num_speculative_tokens"])
@@ -71,12 +75,24 @@ class LookupBranches:
         for request, lookup, fill in zip(requests, found, fills):
             tokens = request.token_ids
             state = self.values.requests.setdefault(request.req_id, RequestBudget())
+            rest = self.fill_rests.setdefault(request.req_id, BackOff())
             if state.drafted is not None:
-                self.values.observe_committed(request.req_id, tokens[state.drafted_at :].tolist(), tokens.size)
+                committed = tokens[state.drafted_at :].tolist()
+                if committed and state.drafted.kinds is not None and FILL_KIND in state.drafted.kinds:
+                    rest.after(paid=fill_paid(state.drafted, committed))
+                self.values.observe_committed(request.req_id, committed, tokens.size)
             rates = self.values.rates(request.req_id, engine)
             # a method without a stopping threshold (dsbd) drafts every fill node the budget leaves
             min_value = request.options.get("stop_threshold", 0.0)
-            out.append(lookup_first(lookup, fill, request.options["max_nodes"], rates, min_value))
+            budget = request.options["max_nodes"]
+            split = lookup_first(lookup, fill, budget, rates, min_value)
+            if split[1] == 0 and min_value > 0:
+                # the fill's value is learnt only from its tries: one the threshold alone leaves out
+                # is tried regardless on a back-off, else a value once below it stays there
+                waived = lookup_first(lookup, fill, budget, rates, 0.0)
+                if waived[1] > 0 and rest.allows():
+                    split = waived
+            out.append(split)
         return out
 
     def propose(
@@ -120,6 +136,16 @@ class LookupBranches:
 
     def remove(self, req_ids: Sequence[str]) -> None:
         self.values.remove(req_ids)
+        for req_id in req_ids:
+            self.fill_rests.pop(req_id, None)
+
+
+def fill_paid(tree: DraftTree, committed: Sequence[int]) -> bool:
+    """Whether the tokens committed after ``tree``'s root walk through one of its draft model's
+    (:data:`FILL_KIND`) nodes. Example: lookup ``a`` and fill ``b`` below the root, committed
+    ``[b, x]``: paid; ``[a, x]``: not."""
+    path = committed_path(tree.tokens.tolist(), tree.parents.tolist(), committed)
+    return tree.kinds is not None and any(tree.kinds[node] == FILL_KIND for node in path)
 
 
 def mixed_tree(lookup: DraftTree, draft: DraftTree) -> DraftTree:

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from vllm_specbeam.core.budget import BackOff
 from vllm_specbeam.core.config import Option, SpecbeamConfigError, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.lookup import continuations, match_ends, match_tree
@@ -45,8 +46,9 @@ SOURCE_DECAY = 0.9
 MAX_MATCHES = 64
 #: pseudo-counts every source starts from: half a node kept of one checked
 SOURCE_PRIOR_KEPT, SOURCE_PRIOR_CHECKED = 0.5, 1.0
-#: longest rest, in steps, of a request's search after fruitless ones (1, 2, 4, 8)
-MAX_SEARCH_REST = 8
+#: how long a request's search rests after fruitless ones (1, 2, 4, 8 steps; the schedule
+#: a draft model behind lookup branches retries on too)
+SearchRest = BackOff
 #: the step budget's kind of the search's nodes (the matches' are 0-2, by match length:
 #: :func:`~vllm_specbeam.core.lookup.match_kind`), so it learns whether they pay apart
 SEARCH_KIND = 3
@@ -109,33 +111,6 @@ class Draft:
         learns that from the same tokens)."""
         path = committed_path(self.tree.tokens.tolist(), self.tree.parents.tolist(), new_tokens)
         return self.tree.kinds is not None and any(self.tree.kinds[node] == SEARCH_KIND for node in path)
-
-
-@dataclass
-class SearchRest:
-    """How long a request's search sits out after searches none of whose own nodes
-    the target committed.
-
-    Example: fruitless searches at steps 0, 2 and 5 rest steps 1; 3-4; 6-9;
-    a search at step 10 whose node the target commits lets step 11 search again."""
-
-    #: request-steps left to sit out
-    left: int = 0
-    #: the rest after the next fruitless search
-    next: int = 1
-
-    def allows(self) -> bool:
-        """Whether this request-step may search (one step of rest passes either way)."""
-        resting = self.left > 0
-        self.left = max(0, self.left - 1)
-        return not resting
-
-    def after(self, paid: bool) -> None:
-        """Record how a search was judged: ``paid`` when the target committed one of its own nodes."""
-        if paid:
-            self.next = 1
-        else:
-            self.left, self.next = self.next, min(2 * self.next, MAX_SEARCH_REST)
 
 
 @dataclass
