@@ -39,9 +39,10 @@ LOOKUP_TWIN = {"lookup": "global"}
 MCSD_LOOKUP = "mcsd" + LOOKUP_SUFFIX
 DSBD_CHAIN_LOOKUP = DSBD_CHAIN + LOOKUP_SUFFIX
 
-#: Methods whose greedy output is not the target's by design (``mjsd``'s joint
-#: rule): their clear-margin divergences are recorded, not reported as bug signals.
-LOSSY_METHODS = {"mjsd"}
+#: Rows whose greedy output is not the target's by design (``mjsd``'s joint rule;
+#: ``dsbd``'s row runs its adaptive beam width, lossless only as ``dsbd-chain``):
+#: their clear-margin divergences are recorded, not reported as bug signals.
+LOSSY_METHODS = {"mjsd", "dsbd"}
 #: vLLM's own speculative methods (the peers the plugin's are compared with).
 VLLM_METHODS = ("ngram", "draft_model", "suffix")
 #: Plugin methods whose output is a beam search result: when one is available, vLLM's

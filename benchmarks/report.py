@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -881,8 +882,8 @@ def plot_speedup_bars(runs: Sequence[Mapping[str, Any]], kinds: Mapping[str, str
     axes[0][0].invert_yaxis()
     legend = [Patch(color=PEER_COLOUR, label="vLLM's methods"), Patch(color=OURS_COLOUR, label="vllm-specbeam")]
     fig.legend(handles=legend, loc="lower center", fontsize=8, ncols=2, frameon=False)
-    fig.suptitle(f"Greedy speedup, best setting per method · {title}", fontsize=9)
-    fig.tight_layout(rect=(0, 0.45 / height, 1, 1 - 0.3 / height))
+    fig.suptitle(f"Greedy speedup, best setting per method\n{title}", fontsize=9)  # two lines: fits one panel
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1 - 0.45 / height))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -931,7 +932,7 @@ def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title
         ax.legend(fontsize=7, loc="best")
     for ax in axes.flat[len(scenarios) :]:
         ax.set_visible(False)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 60 * columns), fontsize=9)  # wrapped: one panel is narrow
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -997,3 +997,8 @@ def test_replay_budget_drafts_all_when_rows_are_free_and_none_when_dear(closed_b
     assert replay_lookup(closed_batch, "budget", slope=0.0).steps == oracle.steps  # the drafter's whole trees
     dear = replay_lookup(closed_batch, "budget", slope=1.0)  # a row costs 20 steps' intercepts
     assert dear.steps == [24, 24] and dear.rows == 48
+
+
+def test_lossy_rows_are_the_joint_rule_and_dsbds_beams_not_its_chain():
+    assert report.is_lossy("mjsd") and report.is_lossy("dsbd") and report.is_lossy("dsbd+vocab")
+    assert not any(report.is_lossy(row) for row in ("mcsd", plan.DSBD_CHAIN, plan.DSBD_CHAIN_LOOKUP, "lookup_tree"))
