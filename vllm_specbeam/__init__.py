@@ -2,7 +2,7 @@
 
 The package is laid out like its architecture (docs/architecture.md):
 ``core`` and ``methods`` never import vLLM, ``adapter`` is the one package that
-knows vLLM 0.32. The public Python API is re-exported here lazily, so
+knows vLLM (0.32 and 0.33). The public Python API is re-exported here lazily, so
 importing the package (as vLLM's plugin loader does) loads nothing else.
 """
 
