@@ -21,6 +21,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gc
 import json
 import random
 import time
@@ -96,6 +97,18 @@ def in_process(llm) -> bool:
     from vllm.v1.engine.core_client import InprocClient
 
     return isinstance(llm.llm_engine.engine_core, InprocClient)
+
+
+def release(llm) -> None:
+    """Stop an engine of the pool. One in its own process is shut down. One in this process is
+    only dropped: its shutdown would tear down vLLM's distributed state (the model-parallel
+    groups), which every engine in this process shares, and the next step of another live
+    engine would fail (``pipeline model parallel group is not initialized``)."""
+    if in_process(llm):
+        del llm
+        gc.collect()
+    else:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def finish_like_own_process(llm) -> None:
@@ -183,7 +196,7 @@ class Engines:
             return Engines.alive[key]
         while len(Engines.alive) >= MAX_ENGINES:
             _, oldest = Engines.alive.popitem(last=False)
-            oldest.llm_engine.engine_core.shutdown()
+            release(oldest)
         settings = {
             "dtype": "float32",
             "max_model_len": MAX_MODEL_LEN,
@@ -212,12 +225,12 @@ class Engines:
         key = self._key(speculative_config, own_process, kwargs)
         llm = Engines.alive.pop(key, None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            release(llm)
 
     @classmethod
     def close_all(cls) -> None:
         while cls.alive:
-            cls.alive.popitem()[1].llm_engine.engine_core.shutdown()
+            release(cls.alive.popitem()[1])
 
 
 @pytest.fixture(scope="session")

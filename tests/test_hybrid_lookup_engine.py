@@ -24,18 +24,25 @@ def hybrid(engines, near_draft):
 
 
 def test_greedy_equals_no_speculation(hybrid, prompts, reference) -> None:
-    before = runner_stats(hybrid)
-    assert token_ids(hybrid.generate(prompts, greedy(), use_tqdm=False)) == reference
-    # one at a time, the longest prompts again: their answers are in the global index now
-    again = [token_ids(hybrid.generate([p], greedy(), use_tqdm=False))[0] for p in prompts[7:]]
+    assert_greedy_exact_with_both_sources(hybrid, prompts, reference)
+
+
+def assert_greedy_exact_with_both_sources(llm, prompts: list[str], reference: list[list[int]]) -> dict[str, int]:
+    """Greedy equals the reference batched, then the longest prompts one at a time (their
+    answers in the global index by then); both sources drafted and accepted, some steps
+    without a draft forward. The runner's counters grown meanwhile."""
+    before = runner_stats(llm)
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+    again = [token_ids(llm.generate([p], greedy(), use_tqdm=False))[0] for p in prompts[7:]]
     assert again == reference[7:]
-    after = runner_stats(hybrid)
+    after = runner_stats(llm)
     grown = {key: after[key] - before[key] for key in after}
-    assert grown["nodes_lookup"] > 0 and grown["nodes_fill"] > 0
-    assert grown["accepted_lookup"] > 0 and grown["accepted_fill"] > 0
+    assert grown["nodes_lookup"] > 0 and grown["nodes_fill"] > 0, grown
+    assert grown["accepted_lookup"] > 0 and grown["accepted_fill"] > 0, grown
     assert grown["nodes_lookup"] + grown["nodes_fill"] == grown["nodes"]
     assert grown["accepted_lookup"] + grown["accepted_fill"] == grown["accepted"]
-    assert grown["draft_deferred"] > 0 and grown["steps_without_draft_forward"] > 0
+    assert grown["draft_deferred"] > 0 and grown["steps_without_draft_forward"] > 0, grown
+    return grown
 
 
 def test_sampling_matches_the_target(engines, hybrid, prompts) -> None:

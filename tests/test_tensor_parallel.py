@@ -60,7 +60,7 @@ def test_tp2_greedy_equals_one_process_without_speculation(engines, near_draft, 
     """The first 6 prompts, 32 tokens (a prefix of the session's greedy reference)."""
     spec = _spec(method, near_draft)
     with one_core_per_rank():
-        llm = engines.get(spec, **TP)
+        llm = engines.get(spec, own_process=True, **TP)  # its stop must not touch this process
     try:
         before = llm.collective_rpc(read_stats)
         outputs = token_ids(llm.generate(prompts[:6], greedy(MAX_TOKENS), use_tqdm=False))
@@ -75,4 +75,4 @@ def test_tp2_greedy_equals_one_process_without_speculation(engines, near_draft, 
             assert kept[1] == kept[0] > 0
             assert after[0]["step_cost_per_row_s"] == after[1]["step_cost_per_row_s"]
     finally:
-        engines.stop(spec, **TP)  # three processes: not kept for later modules
+        engines.stop(spec, own_process=True, **TP)  # three processes: not kept for later modules

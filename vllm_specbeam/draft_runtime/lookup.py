@@ -181,3 +181,28 @@ def without(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def root_tokens(tree: DraftTree) -> list[int]:
     """The tokens of ``tree``'s first level (what the draft's first level must not repeat)."""
     return tree.tokens[tree.parents == ROOT].tolist()
+
+
+class LookupFirstDrafter:
+    """The members a draft-model drafter with the ``"lookup"`` option shares: its
+    lookup source (``None`` when off), which learns across requests in the global
+    scope. Mixed in before the drafter's base class."""
+
+    lookup: LookupBranches | None
+    options: dict[str, Any]
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)  # type: ignore[call-arg]  # the drafter's base class
+        self.lookup = None if self.options["lookup"] == "off" else LookupBranches(self.options)
+
+    @property
+    def learns_across_requests(self) -> bool:
+        return self.lookup is not None and self.lookup.drafter.learns_across_requests
+
+    def finished(self, requests: list[DraftRequest]) -> None:
+        if self.lookup is not None:
+            self.lookup.finished(requests)
+
+    @property
+    def state_bytes(self) -> int:
+        return 0 if self.lookup is None else self.lookup.drafter.state_bytes

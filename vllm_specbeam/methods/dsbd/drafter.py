@@ -93,7 +93,7 @@ def mixed_forest(request: DraftRequest, lookup: DraftTree, forest: DraftTree) ->
     )
 
 
-class DsbdDrafter(DraftModelDrafter):
+class DsbdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
     """Beam-sampling forests from a draft model (see the module docstring)."""
 
     OPTIONS: ClassVar[dict[str, Option]] = {
@@ -120,23 +120,6 @@ class DsbdDrafter(DraftModelDrafter):
             raise SpecbeamConfigError(
                 f"dsbd: min_width={options['min_width']} exceeds max_width={options['max_width']}"
             )
-
-    def __init__(self, options: Mapping[str, Any]) -> None:
-        super().__init__(options)
-        #: the lookup branches every forest starts below (``"lookup"`` not off)
-        self.lookup = None if self.options["lookup"] == "off" else lookup_branches.LookupBranches(self.options)
-
-    @property
-    def learns_across_requests(self) -> bool:
-        return self.lookup is not None and self.lookup.drafter.learns_across_requests
-
-    def finished(self, requests: list[DraftRequest]) -> None:
-        if self.lookup is not None:
-            self.lookup.finished(requests)
-
-    @property
-    def state_bytes(self) -> int:
-        return 0 if self.lookup is None else self.lookup.drafter.state_bytes
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()

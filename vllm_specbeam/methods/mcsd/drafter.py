@@ -157,7 +157,7 @@ class _Growth:
         return DraftTree(tokens, np.asarray(self.parents, np.int64), probs)
 
 
-class McsdDrafter(DraftModelDrafter):
+class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
     """Multi-candidate trees with dynamic depth (see the module docstring)."""
 
     OPTIONS: ClassVar[dict[str, Option]] = {
@@ -224,20 +224,6 @@ class McsdDrafter(DraftModelDrafter):
         self.collect = bool(self.options.get("collect", False))
         self._scored: dict[str, _Scored] = {}
         self._collected: list[StopData] = []
-        #: the lookup branches every tree starts with (``"lookup"`` not off)
-        self.lookup = None if self.options["lookup"] == "off" else lookup_branches.LookupBranches(self.options)
-
-    @property
-    def learns_across_requests(self) -> bool:
-        return self.lookup is not None and self.lookup.drafter.learns_across_requests
-
-    def finished(self, requests: list[DraftRequest]) -> None:
-        if self.lookup is not None:
-            self.lookup.finished(requests)
-
-    @property
-    def state_bytes(self) -> int:
-        return 0 if self.lookup is None else self.lookup.drafter.state_bytes
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
