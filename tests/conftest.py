@@ -142,6 +142,16 @@ MAX_ENGINES = 6
 MAX_TOKENS = 48
 
 
+def checked_options(drafter_class, **values) -> dict:
+    """A drafter's engine-wide options: every default, then ``values``, checked as at start-up."""
+    from vllm_specbeam.core.config import TREE_OPTIONS
+
+    options = {name: option.default for name, option in {**TREE_OPTIONS, **drafter_class.OPTIONS}.items()}
+    options.update(values)
+    drafter_class.check_options(options)
+    return options
+
+
 def greedy(max_tokens: int = MAX_TOKENS, **kwargs):
     from vllm import SamplingParams
 

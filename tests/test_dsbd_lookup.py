@@ -16,11 +16,11 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from conftest import checked_options
 from test_dsbd import ACCEPT, CASES, REJECT, TOL, residual
 from test_hybrid_lookup import REPEATS, DeferringRuntime, learnt, masked
 
 from vllm_specbeam.core.budget import FILL_KIND
-from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT
 from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter, fill_shape
@@ -101,10 +101,7 @@ def test_max_width_one_keeps_one_beam_below_lookup_siblings() -> None:
 
 # ---------------------------------------------------------------- the drafter
 def dsbd_options(**overrides) -> dict:
-    values = {name: option.default for name, option in {**TREE_OPTIONS, **DsbdDrafter.OPTIONS}.items()}
-    values.update({"draft_model": "draft", "num_speculative_tokens": 4, "lookup": "request", **overrides})
-    DsbdDrafter.check_options(values)
-    return values
+    return checked_options(DsbdDrafter, draft_model="draft", num_speculative_tokens=4, lookup="request", **overrides)
 
 
 def hybrid(runtime: DeferringRuntime, **overrides) -> DsbdDrafter:

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, greedy, make_prompts, runner_stats, token_ids
+from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, checked_options, greedy, make_prompts, runner_stats, token_ids
 from specs import MCSD
 from test_sampling_engine import ALPHA, prefix_homogeneity, sample_sequences, target_samples
 
-from vllm_specbeam.core.config import TREE_OPTIONS, SpecbeamConfigError
+from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.methods.mcsd import stopping
@@ -94,10 +94,9 @@ class FakeRuntime:
 
 
 def options(**overrides) -> dict:
-    values = {name: option.default for name, option in {**TREE_OPTIONS, **McsdDrafter.OPTIONS}.items()}
-    values.update({"draft_model": "draft", "num_speculative_tokens": 4, "max_nodes": 64, **overrides})
-    McsdDrafter.check_options(values)
-    return values
+    return checked_options(
+        McsdDrafter, **{"draft_model": "draft", "num_speculative_tokens": 4, "max_nodes": 64, **overrides}
+    )
 
 
 def drafter(runtime: FakeRuntime, **overrides) -> McsdDrafter:
