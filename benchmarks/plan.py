@@ -32,7 +32,7 @@ SPEC_BEAM = "dsbd-beam"
 VOCAB_SUFFIX = "+vocab"
 #: a draft-model row again with ``"lookup": "global"`` (issue #48: each tree starts with ``lookup_tree``'s
 #: branches from every request the engine finished, the draft fills what the budget leaves), at the row's
-#: settings and sizes, an engine per setting (:func:`row_engines`): ``mcsd+lookup`` beside ``mcsd``, and
+#: settings and sizes (``mcsd+lookup`` at mcsd's node budget with the lookup on), an engine per setting (:func:`row_engines`): ``mcsd+lookup`` beside ``mcsd``, and
 #: ``dsbd-chain+lookup`` (``max_width: 1``: lossless) beside ``dsbd-chain``.
 LOOKUP_SUFFIX = "+lookup"
 LOOKUP_TWIN = {"lookup": "global"}
@@ -307,7 +307,9 @@ def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec
             stop_config = {**config, "stop_model": options.stop_model}
             engines.append(EngineSpec("mcsd-stop", MCSD_STOP, "plugin", stop_config, settings))
         if name == "mcsd":
-            lookup_twin(name, name, config, settings)
+            # at least the node budget mcsd takes with the lookup on, as users get it
+            nodes = max(config["max_nodes"], method.drafter_class().LOOKUP_DEFAULTS["max_nodes"])
+            lookup_twin(name, name, {**config, "max_nodes": nodes}, settings)
         if name in BEAM_METHODS:
             available_beam.append(name)
         if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted):

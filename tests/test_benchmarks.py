@@ -577,7 +577,9 @@ def test_plan_runs_the_lookup_twins_of_mcsd_and_the_dsbd_chain_an_engine_per_set
     for row, plain in ((plan.MCSD_LOOKUP, mcsd), (plan.DSBD_CHAIN_LOOKUP, chain)):
         twins = [by_id[engine_id] for engine_id in status[row].engines]
         assert all(e.method == row and e.kind == "plugin" and len(e.settings) == 1 for e in twins)
-        assert all(e.speculative_config == {**plain.speculative_config, "lookup": "global"} for e in twins)
+        # mcsd's twin at the node budget mcsd takes with the lookup on (room for its trees)
+        nodes = {"max_nodes": 48} if row == plan.MCSD_LOOKUP else {}
+        assert all(e.speculative_config == {**plain.speculative_config, "lookup": "global", **nodes} for e in twins)
         assert [e.settings[0] for e in twins] == plain.settings
         assert "lookup" not in plain.speculative_config
         method = METHODS[plain.speculative_config["method"]]

@@ -294,7 +294,11 @@ def test_a_bad_lookup_is_refused_at_start_up(config: dict, message: str) -> None
 
 def test_lookup_is_engine_wide_per_request() -> None:
     config = parse({"method": "mcsd", "model": "draft", "lookup": "global"})
-    assert config.options["lookup"] == "global" and config.options["lookup_depth"] == 16
+    assert config.options["lookup"] == "global" and config.options["lookup_depth"] == 24
+    # lookup on gives the lookup's trees room unless max_nodes is set; off keeps mcsd's own default
+    assert config.options["max_nodes"] == 48
+    assert parse({"method": "mcsd", "model": "draft", "lookup": "global", "max_nodes": 8}).options["max_nodes"] == 8
+    assert parse({"method": "mcsd", "model": "draft"}).options["max_nodes"] == 16
     with pytest.raises(SpecbeamConfigError, match=r"'lookup' is engine-wide.*set it in the engine's speculative"):
         config.with_overrides({"lookup": "off"})
     assert config.with_overrides({"lookup_depth": 4})["lookup_depth"] == 4

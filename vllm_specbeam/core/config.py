@@ -96,7 +96,9 @@ LOOKUP_OPTIONS: dict[str, Option] = {
         choices=("off", "request", "global"),
         per_request=False,
     ),
-    "lookup_depth": Option(16, "deepest lookup branch (a lowered num_speculative_tokens lowers it too)", 1, 64),
+    "lookup_depth": Option(
+        24, "deepest lookup branch, as lookup_tree's global scope (a lowered num_speculative_tokens lowers it too)", 1, 64
+    ),
 }
 
 

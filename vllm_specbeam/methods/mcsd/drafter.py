@@ -188,6 +188,14 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         ),
     }
 
+    #: what ``"lookup"`` on changes unless set: room for ``lookup_tree``'s global-scope trees
+    #: (its 48 nodes); the draft's own nodes stay ``k_config``'s, so the room is the lookup's only
+    LOOKUP_DEFAULTS: ClassVar[dict[str, Any]] = {"max_nodes": 48}
+
+    @classmethod
+    def defaults_for(cls, user: Mapping[str, Any]) -> dict[str, Any]:
+        return {} if user.get("lookup", "off") == "off" else dict(cls.LOOKUP_DEFAULTS)
+
     @staticmethod
     def check_options(options: Mapping[str, Any]) -> None:
         k_config = options["k_config"]
