@@ -32,8 +32,9 @@ SPEC_BEAM = "dsbd-beam"
 VOCAB_SUFFIX = "+vocab"
 #: a draft-model row again with ``"lookup": "global"`` (issue #48: each tree starts with ``lookup_tree``'s
 #: branches from every request the engine finished, the draft fills what the budget leaves), at the row's
-#: settings and sizes (``mcsd+lookup`` at mcsd's node budget with the lookup on), an engine per setting (:func:`row_engines`): ``mcsd+lookup`` beside ``mcsd``, and
-#: ``dsbd-chain+lookup`` (``max_width: 1``: lossless) beside ``dsbd-chain``.
+#: settings and sizes (``mcsd+lookup`` at mcsd's node budget with the lookup on), an engine per setting
+#: (:func:`row_engines`): ``mcsd+lookup`` beside ``mcsd``, and ``dsbd-chain+lookup`` (``max_width: 1``:
+#: lossless) beside ``dsbd-chain``.
 LOOKUP_SUFFIX = "+lookup"
 LOOKUP_TWIN = {"lookup": "global"}
 MCSD_LOOKUP = "mcsd" + LOOKUP_SUFFIX

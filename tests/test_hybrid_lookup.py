@@ -239,13 +239,15 @@ def test_a_fill_left_out_by_the_threshold_is_tried_again_on_a_back_off() -> None
     assert drive(d, runtime, [1, 2, 3], [novel] * 30) == [0, 2, 5, 10, 19, 28]
 
 
+def cycle(step: int, tree: DraftTree) -> list[int]:
+    """The target goes round :data:`CYCLE`: the lookup's chain, then one more."""
+    tokens = tree.tokens[tree.kinds != FILL_KIND].tolist()
+    return [*tokens, CYCLE[(CYCLE.index(tokens[-1]) + 1) % len(CYCLE)]]
+
+
 def test_the_fill_is_tried_behind_a_lookup_and_used_again_where_the_lookup_stops_matching() -> None:
     runtime = DeferringRuntime()
     d = hybrid(runtime, max_nodes=16, lookup_depth=4, k_config=[1])
-
-    def cycle(step: int, tree: DraftTree) -> list[int]:  # the target goes round: the lookup's chain, then one more
-        tokens = tree.tokens[tree.kinds != FILL_KIND].tolist()
-        return [*tokens, CYCLE[(CYCLE.index(tokens[-1]) + 1) % len(CYCLE)]]
 
     def drafts(step: int, tree: DraftTree) -> list[int]:  # new text the draft guesses the first token of
         return [FIRST_FILL, 2000 + step]
@@ -256,6 +258,18 @@ def test_the_fill_is_tried_behind_a_lookup_and_used_again_where_the_lookup_stops
     filled = drive(d, runtime, tokens, [cycle] * 20)  # the lookup's chain, the fill behind it, missing
     assert filled == [2, 7, 16]  # tried after 2 (the rest carries over), 4 and 8 lookup-only steps
     assert drive(d, runtime, tokens, [drafts] * 10) == list(range(5, 10))  # back within 8 steps, then every step
+
+
+def test_the_back_off_is_engine_wide_so_short_requests_do_not_each_start_over() -> None:
+    """Many short copying requests (issue #48's editing prompts): fruitless fills behind the
+    lookup lengthen the rest for the requests after them, not only within one request."""
+    runtime = DeferringRuntime()
+    d = hybrid(runtime, max_nodes=16, lookup_depth=4, k_config=[1])
+    filled = []
+    for request in range(4):  # each request: 4 steps of the lookup's chain, the fill behind it missing
+        filled.append(drive(d, runtime, [500 + request, *CYCLE, *CYCLE[:2]], [cycle] * 4))
+        d.remove_requests(["r"])
+    assert filled == [[0, 2], [1], [2], []]  # rests 1, 2, 4, 8 across requests; per request: [0, 2] each
 
 
 def test_a_fill_pays_when_the_committed_tokens_walk_through_its_nodes() -> None:

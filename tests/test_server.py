@@ -27,7 +27,19 @@ import requests
 from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, greedy, make_prompts
 from specs import MCSD
 
-from benchmarks import load_test
+from benchmarks import processes
+from benchmarks.load import (
+    Answer,
+    Call,
+    ServerReport,
+    bad_requests,
+    finishes,
+    plugin_stats,
+    reference_answers,
+    run_plugin_server,
+    workload,
+)
+from benchmarks.serve_client import prometheus
 from vllm_specbeam.core.config import parse
 
 STARTUP_SECONDS = 300
@@ -52,7 +64,7 @@ def running_server(
     say otherwise; eager unless ``compiled``); yields its URL."""
     common = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
     common += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *([] if compiled else ["--enforce-eager"])]
-    with load_test.running_server(
+    with processes.running_server(
         model, speculative_config, log_path, *common, *args, startup_seconds=STARTUP_SECONDS
     ) as server:
         yield server.url
@@ -92,14 +104,14 @@ def assert_greedy_equals_no_speculation(server: str, engines, tiny_model: str) -
     the accepted tokens, per position (= per depth: each accepted path is one node a depth)."""
     prompts = make_prompts(10)
     expected = [o.outputs[0].text for o in engines.get(None).generate(prompts, greedy())]
-    runner_before, metrics_before = load_test.plugin_stats(server), accepted_metrics(server)
+    runner_before, metrics_before = plugin_stats(server), accepted_metrics(server)
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         responses = list(pool.map(lambda p: complete(server, tiny_model, p), prompts))
     responses += [complete(server, tiny_model, p) for p in prompts]
     assert [r.status_code for r in responses] == [200] * 2 * len(prompts)
     assert [r.json()["choices"][0]["text"] for r in responses] == expected * 2
 
-    runner, metrics = load_test.plugin_stats(server), accepted_metrics(server)
+    runner, metrics = plugin_stats(server), accepted_metrics(server)
     accepted = runner["accepted"] - runner_before["accepted"]
     per_position = [after - before for after, before in zip(metrics["per_position"], metrics_before["per_position"])]
     assert runner["trees"] > runner_before["trees"] and accepted > 0
@@ -117,7 +129,7 @@ def accepted_metrics(url: str) -> dict:
             position = int(line.split('position="')[1].split('"')[0])
             per_position[position] = per_position.get(position, 0.0) + float(line.split()[-1])
     return {
-        "accepted": load_test.prometheus(url, "vllm:spec_decode_num_accepted_tokens_total"),
+        "accepted": prometheus(url, "vllm:spec_decode_num_accepted_tokens_total"),
         "per_position": [per_position[p] for p in sorted(per_position)],
     }
 
@@ -132,22 +144,20 @@ def test_server_rejects_bad_per_request_option(server, spec, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def load(tiny_model, tmp_path_factory) -> tuple[list[load_test.Call], list[load_test.Answer]]:
+def load(tiny_model, tmp_path_factory) -> tuple[list[Call], list[Answer]]:
     """The load test's workload and what a server without speculation answers (started once)."""
-    calls = load_test.workload(make_prompts(10), LOAD_REQUESTS, stops=["w5", "w17", "w42"], xargs=XARGS)
+    calls = workload(make_prompts(10), LOAD_REQUESTS, stops=["w5", "w17", "w42"], xargs=XARGS)
     with running_server(tiny_model, None, tmp_path_factory.mktemp("plain") / "server.log") as url:
-        return calls, load_test.reference_answers(url, calls)
+        return calls, reference_answers(url, calls)
 
 
 def test_server_under_load_with_faults_and_bad_input_stays_exact(server, spec, load, tiny_model):
     calls, reference = load
-    eos, stop = load_test.finishes(calls, reference)
+    eos, stop = finishes(calls, reference)
     assert eos > 0 and stop > 0, "the workload must end some greedy requests on EOS and some on a stop string"
-    report = load_test.ServerReport(spec["method"], spec)
-    bad = load_test.bad_requests(
-        tiny_model, parse(spec, tiny_model, tiny_model).max_nodes, MAX_MODEL_LEN, prompt_word="w1"
-    )
-    problems = load_test.run_plugin_server(server, report, calls, reference, bad, make_prompts(10), 1, FAULTS)
+    report = ServerReport(spec["method"], spec)
+    bad = bad_requests(tiny_model, parse(spec, tiny_model, tiny_model).max_nodes, MAX_MODEL_LEN, prompt_word="w1")
+    problems = run_plugin_server(server, report, calls, reference, bad, make_prompts(10), 1, FAULTS)
     assert problems == []
     sampled = sum(not call.greedy for call in calls)
     assert report.requests == 2 * LOAD_REQUESTS and report.failures == 0

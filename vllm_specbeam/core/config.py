@@ -97,7 +97,10 @@ LOOKUP_OPTIONS: dict[str, Option] = {
         per_request=False,
     ),
     "lookup_depth": Option(
-        24, "deepest lookup branch, as lookup_tree's global scope (a lowered num_speculative_tokens lowers it too)", 1, 64
+        24,
+        "deepest lookup branch, as lookup_tree's global scope (a lowered num_speculative_tokens lowers it too)",
+        1,
+        64,
     ),
 }
 

@@ -8,8 +8,9 @@ acceptance per kind, depth and rank that :class:`~vllm_specbeam.core.budget.Step
 learns from the committed tokens); when they leave none, the draft runs no forward
 that step (``DraftRuntime.defer``) and catches up at its next sync. Its first-level
 tokens exclude the lookup's, so no draft node repeats a lookup sibling. A draft that
-``stop_threshold`` alone left out is tried regardless after 1, 2, 4, 8 such steps
-(:class:`~vllm_specbeam.core.budget.BackOff`): its value is learnt only from its tries.
+``stop_threshold`` alone left out is tried regardless after 1, 2, 4, 8 such request-steps
+(:class:`~vllm_specbeam.core.budget.BackOff`, engine-wide like the values it learns: a
+short request does not start over at 1): its value is learnt only from its tries.
 
 Lossless: lookup nodes are deterministic drafts (a point mass as their ``q`` row),
 draft-model nodes samples of the draft's ``q`` with the lookup's tokens removed;
@@ -51,8 +52,8 @@ class LookupBranches:
         self.drafter = LookupTreeDrafter(lookup)
         #: acceptance per (kind, depth, rank), learnt from the committed tokens (no step cost: never pruned by it)
         self.values = StepBudget()
-        #: per request: how long a draft the threshold left out waits before it is tried regardless
-        self.fill_rests: dict[str, BackOff] = {}
+        #: how long a draft the threshold left out waits before it is tried regardless (engine-wide)
+        self.fill_rest = BackOff()
         #: engine depth: a request drafting shallower (per request, or near its max_tokens) draws lookup
         #: branches no deeper than its depth
         self.engine_depth = int(options["num_speculative_tokens"])
@@ -75,11 +76,10 @@ class LookupBranches:
         for request, lookup, fill in zip(requests, found, fills):
             tokens = request.token_ids
             state = self.values.requests.setdefault(request.req_id, RequestBudget())
-            rest = self.fill_rests.setdefault(request.req_id, BackOff())
             if state.drafted is not None:
                 committed = tokens[state.drafted_at :].tolist()
                 if committed and state.drafted.kinds is not None and FILL_KIND in state.drafted.kinds:
-                    rest.after(paid=fill_paid(state.drafted, committed))
+                    self.fill_rest.after(paid=fill_paid(state.drafted, committed))
                 self.values.observe_committed(request.req_id, committed, tokens.size)
             rates = self.values.rates(request.req_id, engine)
             # a method without a stopping threshold (dsbd) drafts every fill node the budget leaves
@@ -90,7 +90,7 @@ class LookupBranches:
                 # the fill's value is learnt only from its tries: one the threshold alone leaves out
                 # is tried regardless on a back-off, else a value once below it stays there
                 waived = lookup_first(lookup, fill, budget, rates, 0.0)
-                if waived[1] > 0 and rest.allows():
+                if waived[1] > 0 and self.fill_rest.allows():
                     split = waived
             out.append(split)
         return out
@@ -136,8 +136,6 @@ class LookupBranches:
 
     def remove(self, req_ids: Sequence[str]) -> None:
         self.values.remove(req_ids)
-        for req_id in req_ids:
-            self.fill_rests.pop(req_id, None)
 
 
 def fill_paid(tree: DraftTree, committed: Sequence[int]) -> bool:
