@@ -249,10 +249,12 @@ def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec
         return wanted is None or row in wanted
 
     def lookup_twin(row: str, engine_id: str, config: dict[str, Any], settings: list[Setting]) -> None:
-        """``row`` + :data:`LOOKUP_SUFFIX` when wanted: ``row``'s engine with :data:`LOOKUP_TWIN`."""
+        """``row`` + :data:`LOOKUP_SUFFIX` when wanted: ``row``'s engine with :data:`LOOKUP_TWIN`, at
+        its settings with a stopping rule (without one, the draft runs every step: no lookup's gain)."""
         if wants(row + LOOKUP_SUFFIX):
             status[row + LOOKUP_SUFFIX] = MethodStatus("plugin")
-            engines.extend(row_engines(engine_id + "-lookup", row + LOOKUP_SUFFIX, {**config, **LOOKUP_TWIN}, settings))
+            stopping = [s for s in settings if s.values.get("stop_threshold") != 0.0]
+            engines.extend(row_engines(engine_id + "-lookup", row + LOOKUP_SUFFIX, {**config, **LOOKUP_TWIN}, stopping))
 
     def chain(method: str, ks: tuple[int, ...], base: dict[str, Any]) -> None:
         status[method] = MethodStatus("vllm")

@@ -572,7 +572,7 @@ def test_plan_runs_the_lookup_twins_of_mcsd_and_the_dsbd_chain_an_engine_per_set
     status, engines = plan.plan(plan_args(draft="/d", sweep="none", methods=methods))
     by_id = {e.id: e for e in engines}
     mcsd, chain = by_id["mcsd"], by_id[plan.DSBD_CHAIN]
-    assert status[plan.MCSD_LOOKUP].engines == ["mcsd-lookup-k1", "mcsd-lookup-k1-no-stop"]
+    assert status[plan.MCSD_LOOKUP].engines == ["mcsd-lookup-k1"]  # no no-stop twin: its draft runs every step
     assert status[plan.DSBD_CHAIN_LOOKUP].engines == ["dsbd-chain-lookup-k3"]
     for row, plain in ((plan.MCSD_LOOKUP, mcsd), (plan.DSBD_CHAIN_LOOKUP, chain)):
         twins = [by_id[engine_id] for engine_id in status[row].engines]
@@ -580,7 +580,7 @@ def test_plan_runs_the_lookup_twins_of_mcsd_and_the_dsbd_chain_an_engine_per_set
         # mcsd's twin at the node budget mcsd takes with the lookup on (room for its trees)
         nodes = {"max_nodes": 48} if row == plan.MCSD_LOOKUP else {}
         assert all(e.speculative_config == {**plain.speculative_config, "lookup": "global", **nodes} for e in twins)
-        assert [e.settings[0] for e in twins] == plain.settings
+        assert [e.settings[0] for e in twins] == [s for s in plain.settings if "no-stop" not in s.label]
         assert "lookup" not in plain.speculative_config
         method = METHODS[plain.speculative_config["method"]]
         defaults = {name: option.default for name, option in method.options().items()}
@@ -595,7 +595,7 @@ def test_plan_runs_the_lookup_twins_of_mcsd_and_the_dsbd_chain_an_engine_per_set
         plan_args(draft="/d", sweep="none", draft_ks=[3, 5], methods=[plan.MCSD_LOOKUP, plan.DSBD_CHAIN_LOOKUP])
     )
     assert [e.id for e in engines] == [
-        "dsbd-chain-lookup-k3", "dsbd-chain-lookup-k5", "mcsd-lookup-k1", "mcsd-lookup-k1-no-stop", "none"
+        "dsbd-chain-lookup-k3", "dsbd-chain-lookup-k5", "mcsd-lookup-k1", "none"
     ]  # fmt: skip
     assert {"mcsd", "dsbd", plan.DSBD_CHAIN} & set(status) == set()
     assert [e.settings[0].extra_args for e in engines[:2]] == [
