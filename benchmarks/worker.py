@@ -104,7 +104,8 @@ def run_job(job: Job) -> None:
     tokenizer = llm.get_tokenizer()
     prompt_ids = [tokenizer.encode(text) for text in job.prompts]
     # Warm-up on a text outside the workload: methods that remember earlier requests
-    # (suffix, lookup_tree's global scope) must not have seen a prompt before it runs.
+    # (suffix, lookup_tree's global scope) must not have seen a prompt before it runs
+    # (nor, by _forget_finished, the outputs of an earlier run of the same prompts).
     warm_up = TokensPrompt(prompt_token_ids=tokenizer.encode(WARM_UP_TEXT))
     llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     tick()  # started and warm (--interleave hands out turns after every engine's first step)
@@ -178,6 +179,7 @@ def run_job(job: Job) -> None:
     for _ in range(job.repeats):  # repeats outermost: drift on a shared machine hits every setting alike
         for scenario_index, scenario in enumerate(job.scenarios):
             for setting_index, setting in enumerate(job.settings):
+                llm.collective_rpc(_forget_finished)  # every run drafts only from its own requests
                 before = counters()
                 if job.turn:
                     wait_for(Path(job.turn), f"{job.name} {next(turns)}")
@@ -223,6 +225,21 @@ def run_job(job: Job) -> None:
     }
     Path(job.result).write_text(json.dumps(result))
     llm.llm_engine.engine_core.shutdown()
+
+
+def _forget_finished(worker: Any) -> None:
+    """Empty what the engine drafts from across requests, as a newly started engine has it: the
+    plugin drafter's index (``specbeam_forget_finished``), vLLM ``suffix``'s cache of responses
+    (``SuffixDecodingProposer.suffix_cache``, vllm/v1/spec_decode/suffix_decoding.py in 0.32,
+    an arctic-inference ``SuffixDecodingCache``). Otherwise a repeat, or a batch size after
+    another, drafts the same prompts' outputs from the run before it."""
+    runner = worker.model_runner
+    if hasattr(runner, "tree_drafter"):
+        worker.specbeam_forget_finished()
+    cache = getattr(getattr(runner, "drafter", None), "suffix_cache", None)
+    if cache is not None:
+        for req_id in list(cache.cached_requests):
+            cache.evict_cached_response(req_id)
 
 
 def _read_tree_stats(worker: Any) -> dict[str, Any] | None:

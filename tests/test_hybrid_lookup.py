@@ -306,6 +306,14 @@ def test_a_bad_lookup_is_refused_at_start_up(config: dict, message: str) -> None
         parse({"method": "mcsd", "model": "draft", **config})
 
 
+def test_forgetting_finished_requests_empties_the_global_lookup_index() -> None:
+    d = McsdDrafter(options(lookup="global"))
+    d.finished([DraftRequest("a", np.arange(40), d.options)])
+    assert d.learns_across_requests and d.lookup.drafter.index.num_sequences == 1
+    d.forget_finished()  # what the benchmarks do before every timed run
+    assert d.lookup.drafter.index.num_sequences == 0
+
+
 def test_lookup_is_engine_wide_per_request() -> None:
     config = parse({"method": "mcsd", "model": "draft", "lookup": "global"})
     assert config.options["lookup"] == "global" and config.options["lookup_depth"] == 24

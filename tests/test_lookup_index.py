@@ -81,6 +81,9 @@ def test_the_longer_match_drafts_and_opted_out_requests_are_not_indexed() -> Non
     assert tree.tokens.tolist() == [4, 5, 6, 7]
     local = LookupTreeDrafter(options()).propose([request])[0]
     assert local.tokens.tolist() == [8, 0, 1, 2] and not LookupTreeDrafter(options()).learns_across_requests
+    drafter.forget_finished()  # a newly started engine's index: the request's own history again
+    assert drafter.propose([request])[0].tokens.tolist() == [8, 0, 1, 2]
+    assert drafter.state_bytes == SuffixIndex(1).nbytes
 
 
 def test_nodes_are_labelled_with_the_length_of_their_match() -> None:
@@ -120,15 +123,10 @@ def test_the_global_scope_changes_defaults_the_user_did_not_set() -> None:
 
 
 # ---------------------------------------------------------------- inside vLLM
-def _empty_index(worker) -> None:
-    """In the worker: forget every indexed request (what a newly started engine has)."""
-    drafter = worker.model_runner.tree_drafter
-    drafter.index = SuffixIndex(drafter.index.capacity)
-
-
 def empty_global_engine(engines, spec: dict):
+    """The pool's engine of ``spec`` with an empty index (the worker RPC the benchmarks use)."""
     llm = engines.get(spec)
-    llm.collective_rpc(_empty_index)
+    llm.collective_rpc("specbeam_forget_finished")
     return llm
 
 

@@ -49,6 +49,12 @@ class _TreeWorker:
             runtime.warm_up()
         return super().compile_or_warm_up_model()  # type: ignore[misc]
 
+    def specbeam_forget_finished(self) -> None:
+        """Empty the drafter's cross-request index (``lookup_tree``'s global scope, a draft-model
+        method's global lookup), as a newly started engine has it; ``POST /collective_rpc`` on a
+        server in ``VLLM_SERVER_DEV_MODE``."""
+        self.model_runner.tree_drafter.forget_finished()  # type: ignore[attr-defined]
+
     def specbeam_stats(self) -> dict[str, int | float]:
         """The runner's counters and what the drafter and the draft runtimes hold now (requests
         with state, the beam searches' draft blocks), for a server in ``VLLM_SERVER_DEV_MODE``

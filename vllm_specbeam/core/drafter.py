@@ -87,6 +87,10 @@ class TreeDrafter(ABC):
     def finished(self, requests: list[DraftRequest]) -> None:
         """Finished requests, each with its whole token sequence (prompt, then output) and its options."""
 
+    def forget_finished(self) -> None:
+        """Forget the text :meth:`finished` gave (a newly started engine's state): e.g. before
+        timing a workload again, whose earlier run's outputs would otherwise be drafted."""
+
     @property
     def state_bytes(self) -> int:
         """Bytes the drafter keeps across requests (``lookup_tree``'s global index), bounded by its options."""

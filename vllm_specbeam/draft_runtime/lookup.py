@@ -201,6 +201,10 @@ class LookupFirstDrafter:
         if self.lookup is not None:
             self.lookup.finished(requests)
 
+    def forget_finished(self) -> None:
+        if self.lookup is not None:
+            self.lookup.drafter.forget_finished()
+
     @property
     def state_bytes(self) -> int:
         return 0 if self.lookup is None else self.lookup.drafter.state_bytes

@@ -98,6 +98,10 @@ class LookupTreeDrafter(TreeDrafter):
             if request.options["share"]:
                 self.index.add(request.token_ids)
 
+    def forget_finished(self) -> None:
+        if self.index is not None:
+            self.index = SuffixIndex(self.index.capacity)
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(request) for request in requests]
 
