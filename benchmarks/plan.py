@@ -311,7 +311,7 @@ def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec
             engines.append(EngineSpec("mcsd-stop", MCSD_STOP, "plugin", stop_config, settings))
         if name == "mcsd":
             # at least the node budget mcsd takes with the lookup on, as users get it
-            nodes = max(config["max_nodes"], method.drafter_class().LOOKUP_DEFAULTS["max_nodes"])
+            nodes = max(config["max_nodes"], method.drafter_class().defaults_for(LOOKUP_TWIN)["max_nodes"])
             lookup_twin(name, name, {**config, "max_nodes": nodes}, settings)
         if name in BEAM_METHODS:
             available_beam.append(name)
