@@ -26,11 +26,11 @@ from test_verifiers_sampling import (
     sibling_draws,
 )
 
-from vllm_specbeam.core.budget import DEPTH_BUCKETS, FILL_KIND, KIND_BUCKETS, RANK_BUCKETS, lookup_first
+from vllm_specbeam.core.budget import DEPTH_BUCKETS, FILL_KIND, KIND_BUCKETS, RANK_BUCKETS, BackOff, lookup_first
 from vllm_specbeam.core.config import METHODS, SpecbeamConfigError, parse
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
-from vllm_specbeam.draft_runtime.lookup import fill_paid, mixed_tree, root_tokens
+from vllm_specbeam.draft_runtime.lookup import EXPLORE_MAX_LAG, fill_paid, mixed_tree, root_tokens
 from vllm_specbeam.methods.mcsd.drafter import McsdDrafter, _Growth
 
 # ---------------------------------------------------------------- the mixed tree's law, enumerated
@@ -256,8 +256,24 @@ def test_the_fill_is_tried_behind_a_lookup_and_used_again_where_the_lookup_stops
     assert drive(d, runtime, tokens, [novel] * 3) == [0, 2]  # the fill (below the root alone) missed twice
     tokens += CYCLE + CYCLE[:2]
     filled = drive(d, runtime, tokens, [cycle] * 20)  # the lookup's chain, the fill behind it, missing
-    assert filled == [2, 7, 16]  # tried after 2 (the rest carries over), 4 and 8 lookup-only steps
-    assert drive(d, runtime, tokens, [drafts] * 10) == list(range(5, 10))  # back within 8 steps, then every step
+    # tried after 2 (the rest carries over) and 4 lookup-only steps; 8 steps later the draft lags
+    # 45 tokens (5 a step), past EXPLORE_MAX_LAG: no try the threshold left out catches up that far
+    assert filled == [2, 7]
+    # back at the first step without a lookup branch (the rest passed while the draft lagged), then every step
+    assert drive(d, runtime, tokens, [drafts] * 10) == list(range(1, 10))
+
+
+def test_a_request_the_lookup_serves_from_its_first_step_never_feeds_its_prompt_to_the_draft() -> None:
+    """A try the threshold left out first feeds the draft what it lags: never a whole prompt
+    (issue #48's editing prompts paid each prompt's prefill into the draft for nothing)."""
+    runtime = DeferringRuntime()
+    d = hybrid(runtime, max_nodes=16, lookup_depth=4, k_config=[1])
+    # a short request: the fill behind the lookup is tried (at its prior), misses, and is tried again
+    assert drive(d, runtime, [500, *CYCLE, *CYCLE[:2]], [cycle] * 4) == [0, 2]
+    d.remove_requests(["r"])
+    synced = len(runtime.synced)
+    long_prompt = [*range(600, 600 + EXPLORE_MAX_LAG), *CYCLE, *CYCLE[:2]]
+    assert drive(d, runtime, long_prompt, [cycle] * 12) == [] and len(runtime.synced) == synced
 
 
 def test_the_back_off_is_engine_wide_so_short_requests_do_not_each_start_over() -> None:
@@ -270,6 +286,17 @@ def test_the_back_off_is_engine_wide_so_short_requests_do_not_each_start_over() 
         filled.append(drive(d, runtime, [500 + request, *CYCLE, *CYCLE[:2]], [cycle] * 4))
         d.remove_requests(["r"])
     assert filled == [[0, 2], [1], [2], []]  # rests 1, 2, 4, 8 across requests; per request: [0, 2] each
+
+
+def test_a_paid_try_halves_the_rest_rather_than_starting_it_over() -> None:
+    """BackOff's docstring example: fruitless tries at steps 0, 2, 5 (rests 1, 2, 4), a paid
+    try at 10, then a fruitless one at 11 rests 4 steps (12-15), not 1."""
+    back_off, tried = BackOff(), []
+    for step in range(20):
+        if back_off.allows():
+            tried.append(step)
+            back_off.after(paid=step == 10)
+    assert tried == [0, 2, 5, 10, 11, 16]
 
 
 def test_a_fill_pays_when_the_committed_tokens_walk_through_its_nodes() -> None:

@@ -13,7 +13,7 @@ import torch
 from conftest import greedy, make_prompts, runner_stats, token_ids
 from specs import MCSD
 from test_sampling_engine import ALPHA, prefix_homogeneity, sample_sequences, target_samples
-from test_worker_draft import ATOL, _record
+from test_worker_draft import ATOL, _check, _counter, _record
 
 HYBRID = {**MCSD, "lookup": "global", "lookup_depth": 8}
 
@@ -106,3 +106,37 @@ def test_a_step_without_a_draft_forward_leaves_the_draft_caught_up(engines, near
     assert result["checked"] > 0 and result["longest_deferral"] >= 1, result
     assert result["worst"] < ATOL, result
     engines.stop({**HYBRID, "model": near_draft})  # this module's engine, logging every draft call
+
+
+def _draft_runs(worker, runs: bool) -> None:
+    """``runs=False``: every step of every request is one whose lookup leaves the draft nothing
+    (``split`` caps every fill at 0), so the draft is fed none of their tokens."""
+    lookup = worker.model_runner.tree_drafter.lookup
+    if not runs:
+        split = lookup.split
+        lookup.split = lambda requests, fills: [(tree, 0) for tree, _ in split(requests, fills)]
+    else:
+        del lookup.split  # the class's again
+
+
+def test_a_prefix_hit_on_blocks_the_draft_never_fed_feeds_the_draft_first(engines, near_draft) -> None:
+    """Blocks the target computed while the draft deferred hold no draft K/V: a later request
+    hitting them in vLLM's prefix cache trusts only the blocks the draft fed, and its draft
+    rows equal transformers' on the same tokens (trusting the whole hit reads unwritten K/V)."""
+    spec = {**HYBRID, "model": near_draft}
+    engines.stop(spec)
+    hybrid = engines.get(spec)
+    prompts = make_prompts(10, seed=5)[7:]  # 200, 260 and 300 words: past the first 128-token blocks
+    hybrid.collective_rpc(_draft_runs, args=(False,))
+    before = runner_stats(hybrid)
+    hybrid.generate(prompts, greedy(max_tokens=4), use_tqdm=False)
+    assert runner_stats(hybrid)["draft_rows"] == before["draft_rows"]  # not even the prompts
+    hybrid.collective_rpc(_draft_runs, args=(True,))
+    hybrid.collective_rpc(_record)
+    hits = _counter(hybrid, "vllm:prefix_cache_hits")
+    hybrid.generate([p + " and some more words" for p in prompts], greedy(max_tokens=16), use_tqdm=False)
+    assert _counter(hybrid, "vllm:prefix_cache_hits") - hits >= 3 * 128
+    result = hybrid.collective_rpc(_check, args=(near_draft,))[0]
+    assert result["counts"]["sync"] >= len(prompts), result
+    assert result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL, result
+    engines.stop(spec)  # this test's own engine, logging every draft call

@@ -13,11 +13,16 @@ Design and the facts it rests on (vLLM 0.32.0): docs/draft-runtime.md. In short:
   committed since, moves those nodes' K/V to their committed slots and feeds only the
   rest. Example: root at slot 9, nodes ``[a, b, c]`` in slots ``[10, 11, 12]``, parents
   ``[-1, -1, 1]``, committed ``b c x``: ``b``, ``c`` move to 10, 11; only ``x`` is fed.
-- **Prefix caching.** A cached block carries the draft's K/V too: after each step
-  :meth:`WorkerDraftRuntime.sync_step` feeds every scheduled request's committed tokens
-  the draft lacks; a request whose drafter ran no draft forward this step
-  (:meth:`~WorkerDraftRuntime.defer`) gets only the tokens that fill blocks (vLLM caches
-  full blocks only), the rest at its next sync. A new request trusts its prefix hit.
+- **Prefix caching.** After each step :meth:`WorkerDraftRuntime.sync_step` feeds every
+  scheduled request's committed tokens the draft lacks, except a request whose drafter ran
+  no draft forward this step (:meth:`~WorkerDraftRuntime.defer`), and any request of a
+  drafter with lookup branches: their next sync feeds them, and a request the lookup serves
+  throughout never pays for its prompt in the draft. So a cached block may lack the
+  draft's K/V: the runtime keys each full block the draft fed by the tokens from the
+  sequence's start through it, and a new request trusts the leading blocks of its prefix
+  hit whose keys match its own tokens (the rest it is fed at its first sync). Keys go by
+  content, so a block reused for other tokens, which the draft never wrote, keeps the key
+  of the K/V it still holds; every draft write into a block drops its key.
 
 Logits come back to the host after each forward (the drafters sample on the host).
 """
@@ -51,6 +56,12 @@ from vllm_specbeam.draft_runtime import vocab
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.worker.utils import AttentionGroup
+
+
+def block_key(previous: int, tokens: Sequence[int] | np.ndarray) -> int:
+    """A full block's key: the tokens from the sequence's start through it, chained from the
+    key of the block before (0 for the first), as vLLM's prefix cache keys its blocks."""
+    return hash((previous, *map(int, tokens)))
 
 
 def uses_worker_draft(config: SpecbeamConfig | None) -> bool:
@@ -122,6 +133,8 @@ class _Request:
     #: with a draft vocabulary: the request's context tokens outside it (sorted), and how many tokens were read
     own_tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     tokens_read: int = 0
+    #: the keys (:func:`block_key`) of its leading full blocks, those the draft holds the K/V of
+    keys: list[int] = dataclasses.field(default_factory=list)
 
     def new_round(self, length: int) -> None:
         """Committed tokens ``[0, length)`` are the draft's; no tree node is fed yet."""
@@ -208,6 +221,12 @@ class WorkerDraftRuntime:
         self._requests: dict[str, _Request] = {}
         #: requests that run no draft forward this step (:meth:`defer`), until its :meth:`sync_step`
         self._deferred: set[str] = set()
+        #: block id -> the key (:func:`block_key`) of the tokens whose draft K/V the whole block holds
+        self._fed_blocks: dict[int, int] = {}
+        #: feed a request's committed tokens only at its drafter's syncs, never after a step
+        #: (:meth:`sync_step`): with lookup branches most steps run no draft, and a request the
+        #: lookup serves throughout never feeds its prompt
+        self.feeds_at_syncs_only = runner.tree_config.options.get("lookup", "off") != "off"
 
     def bind(self) -> None:
         """Find the attention group holding the draft's layers (after the runner's ``initialize_kv_cache``).
@@ -263,8 +282,8 @@ class WorkerDraftRuntime:
                 raise ValueError(f"request {req_id!r} has no committed token to draft from")
             if len(tokens) + reserve > self._capacity(req_id, len(tokens) + reserve):
                 continue  # no slots for the tree: undrafted (sync_step still feeds its tokens)
-            request = self._request(req_id)
             blocks = self._blocks(req_id)
+            request = self._request(req_id, blocks, tokens)
             self._keep_accepted(request, blocks, tokens[request.length :])
             start = min(request.valid, len(tokens) - 1)  # the last token's logits are the answer
             feeds.append(self._committed_feed(blocks, tokens, start))
@@ -276,6 +295,9 @@ class WorkerDraftRuntime:
             admitted.append(k)
         for k, logits in zip(admitted, self._forward(feeds, last_only=True)):
             results[k] = logits[0]
+        for k in admitted:
+            req_id, tokens = requests[k][0], requests[k][1]
+            self._key_fed_blocks(self._requests[req_id], self._blocks(req_id), tokens)
         return results
 
     def extend_many(self, nodes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
@@ -338,34 +360,57 @@ class WorkerDraftRuntime:
         and must then hold the draft's K/V of the same tokens.
         """
         batch = self.runner.input_batch
-        feeds = []
+        feeds, fed = [], []
         deferred, self._deferred = self._deferred, set()
         for index, req_id in enumerate(batch.req_ids):
+            blocks = self._blocks(req_id)
+            request = self._request(req_id, blocks, batch.token_ids_cpu[index])
+            if req_id in deferred or self.feeds_at_syncs_only:  # its next sync feeds what the draft lacks
+                continue
             end = min(int(batch.num_tokens_no_spec[index]), self._capacity(req_id, 0))
-            if req_id in deferred:  # only whole blocks can serve a prefix hit; its next sync feeds the rest
-                end -= end % self.block_size
             tree = self.runner.prompt_tree(req_id)
             if tree is not None:
                 # a beam search's scoring request: only the blocks before its tree's root can serve
                 # a later prefix hit; the draft K/V of the rest would never be read
                 end = min(end, shared_prefix_len(int(batch.num_prompt_tokens[index]), tree.num_nodes, self.block_size))
-            request = self._request(req_id)
             if request.valid >= end:  # most steps: sync_many already fed it (no copy of the context then)
                 continue
-            blocks = self._blocks(req_id)
-            self._keep_accepted(request, blocks, batch.token_ids_cpu[index, request.length : end])
+            tokens = batch.token_ids_cpu[index, :end].tolist()
+            self._keep_accepted(request, blocks, tokens[request.length :])
             if request.valid < end:  # the kept nodes may cover the rest
-                feeds.append(self._committed_feed(blocks, batch.token_ids_cpu[index, :end].tolist(), request.valid))
+                feeds.append(self._committed_feed(blocks, tokens, request.valid))
                 request.new_round(end)
+            fed.append((request, blocks, tokens))
         if feeds:
             self._forward(feeds, last_only=None)
+        for request, blocks, tokens in fed:
+            self._key_fed_blocks(request, blocks, tokens)
 
-    def _request(self, req_id: str) -> _Request:
-        """The request's state; a new one trusts the draft K/V it already has (:meth:`_trusted`)."""
+    def _request(self, req_id: str, blocks: torch.Tensor, tokens: Sequence[int] | np.ndarray) -> _Request:
+        """The request's state; a new one trusts the leading blocks of its prefix hit
+        (:meth:`_prefix_hit`) whose draft K/V were fed for its own tokens (``tokens``: from its start)."""
         request = self._requests.get(req_id)
         if request is None:
-            request = self._requests[req_id] = _Request(valid=self._trusted(req_id))
+            size, keys = self.block_size, []
+            for i in range(self._prefix_hit(req_id) // size):
+                key = block_key(keys[-1] if keys else 0, tokens[i * size : (i + 1) * size])
+                if self._fed_blocks.get(int(blocks[i])) != key:
+                    break
+                keys.append(key)
+            request = self._requests[req_id] = _Request(valid=len(keys) * size, keys=keys)
         return request
+
+    def _key_fed_blocks(self, request: _Request, blocks: torch.Tensor, tokens: Sequence[int]) -> None:
+        """Key the request's full blocks the draft now holds the K/V of (slots ``[0, valid)``)."""
+        size = self.block_size
+        for i in range(len(request.keys), request.valid // size):
+            request.keys.append(block_key(request.keys[-1] if request.keys else 0, tokens[i * size : (i + 1) * size]))
+            self._fed_blocks[int(blocks[i])] = request.keys[-1]
+
+    def _written(self, blocks: torch.Tensor, slots: Sequence[int]) -> None:
+        """The draft writes ``slots`` of these blocks: their keys no longer describe them."""
+        for index in {slot // self.block_size for slot in slots}:
+            self._fed_blocks.pop(int(blocks[index]), None)
 
     # ------------------------------------------------------------ whose blocks (the engine's requests')
     def _blocks(self, req_id: str) -> torch.Tensor:
@@ -380,8 +425,8 @@ class WorkerDraftRuntime:
         allocated = int(table.num_blocks_per_row[self.runner.input_batch.req_id_to_index[req_id]]) * table.block_size
         return min(allocated, self.runner.vllm_config.model_config.max_model_len)
 
-    def _trusted(self, req_id: str) -> int:
-        """Leading tokens of a new request whose draft K/V are in its blocks: its prefix-cache hit."""
+    def _prefix_hit(self, req_id: str) -> int:
+        """Leading tokens of a new request whose target K/V are in its blocks: its prefix-cache hit."""
         return int(self.runner.input_batch.num_computed_tokens_cpu[self.runner.input_batch.req_id_to_index[req_id]])
 
     def _moved_caches(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:
@@ -402,6 +447,7 @@ class WorkerDraftRuntime:
         moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
         if moved:
             src = self._slots(blocks, [request.length + node for node, _ in moved])  # [moves]
+            self._written(blocks, [request.length + depth for _, depth in moved])
             dst = self._slots(blocks, [request.length + depth for _, depth in moved])  # [moves]
             device = self.device
             move_kv_slots(self._moved_caches(), src.to(device), dst.to(device), [len(moved)], self.on_cuda)
@@ -434,6 +480,8 @@ class WorkerDraftRuntime:
         if self._group is None:
             raise RuntimeError("WorkerDraftRuntime.bind must run after the runner's initialize_kv_cache")
         self.runner.tree_counts.draft_forwards += 1
+        for feed in feeds:
+            self._written(feed.blocks, feed.slots)
         device = self.device
         rows = torch.stack([f.blocks for f in feeds]).to(device)  # [R, max_blocks]
         counts = [len(f.tokens) for f in feeds]
@@ -528,6 +576,7 @@ class SearchDraftRuntime(WorkerDraftRuntime):
         self.__dict__.update({k: v for k, v in vars(engine).items() if k != "_requests"})
         self._requests = {}
         self._deferred = set()
+        self._fed_blocks = {}  # keys of its pool's blocks (it trusts none: _prefix_hit)
         max_len = self.runner.vllm_config.model_config.max_model_len
         self.pool = _BlockPool(self._attention, self.block_size, -(-max_len // self.block_size))
 
@@ -542,7 +591,7 @@ class SearchDraftRuntime(WorkerDraftRuntime):
     def _capacity(self, req_id: str, needed: int) -> int:
         return min(self.pool.reserve(req_id, needed), self.runner.vllm_config.model_config.max_model_len)
 
-    def _trusted(self, req_id: str) -> int:
+    def _prefix_hit(self, req_id: str) -> int:
         return 0
 
     def _moved_caches(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:

@@ -237,7 +237,10 @@ class BackOff:
     branches) sits out after tries none of whose own nodes the target committed.
 
     Example: fruitless tries at steps 0, 2 and 5 rest steps 1; 3-4; 6-9;
-    a try at step 10 whose node the target commits lets step 11 try again."""
+    a try at step 10 whose node the target commits halves the next rest: a
+    fruitless try at step 11 rests steps 12-15. (A paid try among fruitless ones
+    does not start them over, so a fill that pays one step in ten is tried about
+    as often as it pays.)"""
 
     #: request-steps left to sit out
     left: int = 0
@@ -253,7 +256,7 @@ class BackOff:
     def after(self, paid: bool) -> None:
         """Record how a try was judged: ``paid`` when the target committed one of its own nodes."""
         if paid:
-            self.next = 1
+            self.next = max(1, self.next // 2)
         else:
             self.left, self.next = self.next, min(2 * self.next, MAX_REST)
 

@@ -10,7 +10,10 @@ that step (``DraftRuntime.defer``) and catches up at its next sync. Its first-le
 tokens exclude the lookup's, so no draft node repeats a lookup sibling. A draft that
 ``stop_threshold`` alone left out is tried regardless after 1, 2, 4, 8 such request-steps
 (:class:`~vllm_specbeam.core.budget.BackOff`, engine-wide like the values it learns: a
-short request does not start over at 1): its value is learnt only from its tries.
+short request does not start over at 1): its value is learnt only from its tries. Behind
+a lookup branch such a try is only made while the draft lags at most :data:`EXPLORE_MAX_LAG`
+committed tokens behind, since it must first catch up on them: a request the lookup serves
+from its first step never feeds its prompt to the draft for a try the threshold did not ask for.
 
 Lossless: lookup nodes are deterministic drafts (a point mass as their ``q`` row),
 draft-model nodes samples of the draft's ``q`` with the lookup's tokens removed;
@@ -34,6 +37,10 @@ from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 
+#: most committed tokens the draft may lag behind for a try behind a lookup branch that the threshold left out (it feeds
+#: them first: 32 rows cost about two one-row forwards on this project's CPU, docs/results/row-cost-epyc)
+EXPLORE_MAX_LAG = 32
+
 #: a draft model's trees for ``requests``: at most ``caps`` nodes each, first levels without ``excludes``
 DraftFill = Callable[[list[DraftRequest], list[int], list[list[int]]], list[DraftTree]]
 #: one request's tree from its lookup tree and the draft model's (empty when it ran no forward)
@@ -54,6 +61,8 @@ class LookupBranches:
         self.values = StepBudget()
         #: how long a draft the threshold left out waits before it is tried regardless (engine-wide)
         self.fill_rest = BackOff()
+        #: per request: its length when the draft last ran for it (the draft lags the tokens since)
+        self.drafted_at: dict[str, int] = {}
         #: engine depth: a request drafting shallower (per request, or near its max_tokens) draws lookup
         #: branches no deeper than its depth
         self.engine_depth = int(options["num_speculative_tokens"])
@@ -90,8 +99,13 @@ class LookupBranches:
                 # the fill's value is learnt only from its tries: one the threshold alone leaves out
                 # is tried regardless on a back-off, else a value once below it stays there
                 waived = lookup_first(lookup, fill, budget, rates, 0.0)
-                if waived[1] > 0 and self.fill_rest.allows():
+                # behind a lookup branch, only while the catch-up is short (a step with no branch gains
+                # most from the fill, and is where its value below the root alone is learnt)
+                caught_up = tokens.size - self.drafted_at.get(request.req_id, 0) <= EXPLORE_MAX_LAG
+                if waived[1] > 0 and self.fill_rest.allows() and (caught_up or lookup.num_nodes == 0):
                     split = waived
+            if split[1] > 0:
+                self.drafted_at[request.req_id] = tokens.size
             out.append(split)
         return out
 
@@ -136,6 +150,8 @@ class LookupBranches:
 
     def remove(self, req_ids: Sequence[str]) -> None:
         self.values.remove(req_ids)
+        for req_id in req_ids:
+            self.drafted_at.pop(req_id, None)
 
 
 def fill_paid(tree: DraftTree, committed: Sequence[int]) -> bool:
