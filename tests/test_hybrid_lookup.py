@@ -239,6 +239,21 @@ def test_a_fill_left_out_by_the_threshold_is_tried_again_on_a_back_off() -> None
     assert drive(d, runtime, [1, 2, 3], [novel] * 30) == [0, 2, 5, 10, 19, 28]
 
 
+def test_a_try_the_threshold_left_out_probes_with_one_node() -> None:
+    """The back-off's tries learn the fill's value at the cost of one draft forward."""
+    runtime = DeferringRuntime()
+    d = hybrid(runtime, max_nodes=8, k_config=[1])
+    tokens, fills = [1, 2, 3], []
+    for step in range(30):
+        tree = d.propose([DraftRequest("r", np.array(tokens), d.options)])[0]
+        fills.append(0 if tree.kinds is None else int((tree.kinds == FILL_KIND).sum()))
+        tokens += novel(step, tree)
+    tried = [n for n in fills if n]
+    # the first at its prior (the threshold itself: its depth-2 node is worth 0.25), then the back-off's
+    # (left to the draft's stopping rule alone, these drafted 4 nodes each)
+    assert tried == [1] * 6, fills
+
+
 def cycle(step: int, tree: DraftTree) -> list[int]:
     """The target goes round :data:`CYCLE`: the lookup's chain, then one more."""
     tokens = tree.tokens[tree.kinds != FILL_KIND].tolist()

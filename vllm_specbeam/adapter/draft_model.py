@@ -13,16 +13,12 @@ Design and the facts it rests on (vLLM 0.32.0): docs/draft-runtime.md. In short:
   committed since, moves those nodes' K/V to their committed slots and feeds only the
   rest. Example: root at slot 9, nodes ``[a, b, c]`` in slots ``[10, 11, 12]``, parents
   ``[-1, -1, 1]``, committed ``b c x``: ``b``, ``c`` move to 10, 11; only ``x`` is fed.
-- **Prefix caching.** After each step :meth:`WorkerDraftRuntime.sync_step` feeds every
-  scheduled request's committed tokens the draft lacks, except a request whose drafter ran
-  no draft forward this step (:meth:`~WorkerDraftRuntime.defer`), and any request of a
-  drafter with lookup branches: their next sync feeds them, and a request the lookup serves
-  throughout never pays for its prompt in the draft. So a cached block may lack the
-  draft's K/V: the runtime keys each full block the draft fed by the tokens from the
-  sequence's start through it, and a new request trusts the leading blocks of its prefix
-  hit whose keys match its own tokens (the rest it is fed at its first sync). Keys go by
-  content, so a block reused for other tokens, which the draft never wrote, keeps the key
-  of the K/V it still holds; every draft write into a block drops its key.
+- **Prefix caching.** A full block the draft fed is keyed by the tokens from the
+  sequence's start through it; a new request trusts the leading blocks of its prefix hit
+  whose keys match its tokens, and every draft write into a block drops its key.
+  :meth:`WorkerDraftRuntime.sync_step` feeds after each step what the draft lacks (for
+  reuse by later hits), except requests that ran no draft forward (:meth:`~WorkerDraftRuntime.defer`)
+  and every request of a drafter with lookup branches: their next sync feeds them.
 
 Logits come back to the host after each forward (the drafters sample on the host).
 """

@@ -10,7 +10,8 @@ that step (``DraftRuntime.defer``) and catches up at its next sync. Its first-le
 tokens exclude the lookup's, so no draft node repeats a lookup sibling. A draft that
 ``stop_threshold`` alone left out is tried regardless after 1, 2, 4, 8 such request-steps
 (:class:`~vllm_specbeam.core.budget.BackOff`, engine-wide like the values it learns: a
-short request does not start over at 1): its value is learnt only from its tries. Behind
+short request does not start over at 1): its value is learnt only from its tries, which
+probe with one node (the draft's first, from its sync: one forward). Behind
 a lookup branch such a try is only made while the draft lags at most :data:`EXPLORE_MAX_LAG`
 committed tokens behind, since it must first catch up on them: a request the lookup serves
 from its first step never feeds its prompt to the draft for a try the threshold did not ask for.
@@ -103,7 +104,7 @@ class LookupBranches:
                 # most from the fill, and is where its value below the root alone is learnt)
                 caught_up = tokens.size - self.drafted_at.get(request.req_id, 0) <= EXPLORE_MAX_LAG
                 if waived[1] > 0 and self.fill_rest.allows() and (caught_up or lookup.num_nodes == 0):
-                    split = waived
+                    split = (waived[0], 1)  # a probe: its first node, from the sync's logits (no extend)
             if split[1] > 0:
                 self.drafted_at[request.req_id] = tokens.size
             out.append(split)
