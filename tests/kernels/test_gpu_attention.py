@@ -422,7 +422,7 @@ def cuda_draft_runtime(**attributes) -> draft_model.WorkerDraftRuntime:
     """The engine's draft runtime as the CUDA worker would hold it (no model: the attention-side parts),
     its tensors on this CPU."""
     runtime = object.__new__(draft_model.WorkerDraftRuntime)
-    runtime.device, runtime.on_cuda = torch.device("cpu"), True
+    runtime.device, runtime.on_cuda, runtime._fed_blocks = torch.device("cpu"), True, {}
     vars(runtime).update(attributes)
     return runtime
 
