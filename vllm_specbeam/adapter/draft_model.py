@@ -288,12 +288,11 @@ class WorkerDraftRuntime:
                 request.tokens_read = len(tokens)
                 feeds[-1].own_tokens = request.own_tokens
             request.new_round(len(tokens))
-            admitted.append(k)
-        for k, logits in zip(admitted, self._forward(feeds, last_only=True)):
+            admitted.append((k, request, blocks, tokens))
+        for (k, *_), logits in zip(admitted, self._forward(feeds, last_only=True)):
             results[k] = logits[0]
-        for k in admitted:
-            req_id, tokens = requests[k][0], requests[k][1]
-            self._key_fed_blocks(self._requests[req_id], self._blocks(req_id), tokens)
+        for _, request, blocks, tokens in admitted:
+            self._key_fed_blocks(request, blocks, tokens)
         return results
 
     def extend_many(self, nodes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
@@ -351,9 +350,9 @@ class WorkerDraftRuntime:
     def sync_step(self) -> None:
         """Feed every scheduled request's committed tokens the draft lacks (no logits).
 
-        Runs after each step's sampling, drafting or not: a block the target
-        computed may serve another request's prefix hit from the next step on,
-        and must then hold the draft's K/V of the same tokens.
+        Runs after each step's sampling, drafting or not, so that a block the target
+        computed holds the draft's K/V too when a later request's prefix hit reuses
+        it (a block the draft never fed is not trusted: :meth:`_request`).
         """
         batch = self.runner.input_batch
         feeds, fed = [], []
@@ -442,9 +441,10 @@ class WorkerDraftRuntime:
         path = committed_path(request.tokens, request.parents, committed)  # nodes fed this round
         moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
         if moved:
+            targets = [request.length + depth for _, depth in moved]
+            self._written(blocks, targets)
             src = self._slots(blocks, [request.length + node for node, _ in moved])  # [moves]
-            self._written(blocks, [request.length + depth for _, depth in moved])
-            dst = self._slots(blocks, [request.length + depth for _, depth in moved])  # [moves]
+            dst = self._slots(blocks, targets)  # [moves]
             device = self.device
             move_kv_slots(self._moved_caches(), src.to(device), dst.to(device), [len(moved)], self.on_cuda)
         counts = self.runner.tree_counts
