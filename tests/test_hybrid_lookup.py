@@ -30,7 +30,13 @@ from vllm_specbeam.core.budget import DEPTH_BUCKETS, FILL_KIND, KIND_BUCKETS, RA
 from vllm_specbeam.core.config import METHODS, SpecbeamConfigError, parse
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
-from vllm_specbeam.draft_runtime.lookup import EXPLORE_MAX_LAG, fill_paid, mixed_tree, root_tokens
+from vllm_specbeam.draft_runtime.lookup import (
+    EXPLORE_MAX_LAG,
+    NEW_TEXT_STEPS,
+    fill_paid,
+    mixed_tree,
+    root_tokens,
+)
 from vllm_specbeam.methods.mcsd.drafter import McsdDrafter, _Growth
 
 # ---------------------------------------------------------------- the mixed tree's law, enumerated
@@ -137,6 +143,12 @@ def test_lookup_first_keeps_the_most_valuable_nodes() -> None:
     assert kept.num_nodes == 1 and left == 2  # 0.9, 0.85, 0.81 (fill, lookup, fill) beat 0.7225
     kept, left = lookup_first(chain, fill, 1, rates(0.9, 0.9), 0.0)
     assert kept.num_nodes == 1 and left == 0  # ties go to the lookup
+    kept, left = lookup_first(chain, fill, 4, rates(0.9, 0.6), 0.5)
+    assert kept.num_nodes == 2 and left == 2  # the threshold judges the fill's first level only (0.6, not 0.36)
+    siblings = DraftTree(np.zeros(3, np.int64), np.array([ROOT, ROOT, 1]))
+    table = rates(0.9, 0.6)
+    table[FILL_KIND, 0, 2:] = 0.4  # the second candidate (third below the root) is below the threshold: its child too
+    assert lookup_first(chain, siblings, 8, table, 0.5)[1] == 1
 
 
 class DeferringRuntime(FakeRuntime):
@@ -249,9 +261,23 @@ def test_a_try_the_threshold_left_out_probes_with_one_node() -> None:
         fills.append(0 if tree.kinds is None else int((tree.kinds == FILL_KIND).sum()))
         tokens += novel(step, tree)
     tried = [n for n in fills if n]
-    # the first at its prior (the threshold itself: its depth-2 node is worth 0.25), then the back-off's
-    # (left to the draft's stopping rule alone, these drafted 4 nodes each)
-    assert tried == [1] * 6, fills
+    # the first at its prior (the threshold itself): the whole chain, the draft's stopping rule judging
+    # below the first level; then the back-off's (left to that rule alone, these drafted 4 nodes each)
+    assert tried == [4, 1, 1, 1, 1, 1], fills
+
+
+def test_a_probe_that_pays_brings_back_the_whole_chain() -> None:
+    """On new text the draft guesses, one paid probe lifts the fill's first level over the threshold,
+    and the next step drafts the chain the draft's stopping rule allows, not another single node
+    (issue #48: on HumanEval the hybrid committed 1.4 tokens a step against mcsd's 3.3)."""
+    runtime = DeferringRuntime()
+    d = learnt(hybrid(runtime, max_nodes=8, k_config=[1]), 0.9, 0.3)  # the fill learnt poor (editing)
+    tokens, fills = [1, 2, 3], []
+    for _ in range(6):
+        tree = d.propose([DraftRequest("r", np.array(tokens), d.options)])[0]
+        fills.append(0 if tree.kinds is None else int((tree.kinds == FILL_KIND).sum()))
+        tokens += [*tree.tokens.tolist(), 1000 + len(tokens)]  # the target accepts every draft node
+    assert fills[0] == 1 and max(fills) == 4, fills  # a probe, then whole chains once it paid
 
 
 def cycle(step: int, tree: DraftTree) -> list[int]:
@@ -274,8 +300,9 @@ def test_the_fill_is_tried_behind_a_lookup_and_used_again_where_the_lookup_stops
     # tried after 2 (the rest carries over) and 4 lookup-only steps; 8 steps later the draft lags
     # 45 tokens (5 a step), past EXPLORE_MAX_LAG: no try the threshold left out catches up that far
     assert filled == [2, 7]
-    # back at the first step without a lookup branch (the rest passed while the draft lagged), then every step
-    assert drive(d, runtime, tokens, [drafts] * 10) == list(range(1, 10))
+    # the draft lags far: not at the first step without a lookup branch (an edit in copied text buys one
+    # node for the prompt's catch-up), but at the second (new text; the rest passed), then every step
+    assert drive(d, runtime, tokens, [drafts] * 10) == list(range(NEW_TEXT_STEPS, 10))
 
 
 def test_a_request_the_lookup_serves_from_its_first_step_never_feeds_its_prompt_to_the_draft() -> None:

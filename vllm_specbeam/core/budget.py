@@ -377,11 +377,14 @@ def lookup_first(
     Both hang from the root, ``fill``'s first level after the lookup's (its nodes are
     :data:`FILL_KIND`), and every node is valued by :func:`path_values` under ``rates``
     (:meth:`StepBudget.rates`). The ``budget`` most valuable nodes are kept, ties to the
-    lookup's; a fill node worth less than ``min_value`` is never kept. 0 (the lookup alone
-    fills the budget with nodes valued above the fill's, or the fill is worth too little):
-    the draft model does not run. Example: at rate 0.9 for lookup and 0.6 for fill nodes
-    everywhere, budget 3, a 2-node lookup chain (0.9, 0.81) and a fill chain (0.6, 0.36):
-    the lookup chain and 1 fill node; with ``min_value`` 0.7, no fill node.
+    lookup's; a fill node below the root worth less than ``min_value`` is never kept, nor
+    are its descendants. Deeper fill nodes are not held to ``min_value``: the draft model's
+    own stopping rule judges them token by token, and their learnt values never get trials
+    if a cell left at its prior cuts them. 0 (the lookup alone fills the budget with nodes
+    valued above the fill's, or the fill is worth too little): the draft model does not run.
+    Example: at rate 0.9 for lookup and 0.6 for fill nodes everywhere, budget 3, a 2-node
+    lookup chain (0.9, 0.81) and a fill chain (0.6, 0.36): the lookup chain and 1 fill node;
+    with ``min_value`` 0.7, no fill node; with ``min_value`` 0.5 and budget 4, both fill nodes.
     """
     kinds = np.full(lookup.num_nodes + fill.num_nodes, FILL_KIND)  # [nodes]
     if lookup.kinds is not None:
@@ -389,7 +392,10 @@ def lookup_first(
     parents = np.concatenate([lookup.parents, np.where(fill.parents == ROOT, ROOT, fill.parents + lookup.num_nodes)])
     both = DraftTree(np.concatenate([lookup.tokens, fill.tokens]), parents, kinds=kinds)
     values = np.asarray(path_values(TreeShape.of(both), rates))  # [nodes]
-    values[lookup.num_nodes :][values[lookup.num_nodes :] < min_value] = -np.inf
+    for node in range(lookup.num_nodes, both.num_nodes):  # parents come first: one pass cuts whole branches
+        parent = int(parents[node])
+        if (values[node] < min_value) if parent == ROOT else values[parent] == -np.inf:
+            values[node] = -np.inf
     best = np.argsort(-values, kind="stable")[:budget]  # ties to the earlier node: the lookup's, a parent
     best = best[np.isfinite(values[best])]
     kept = np.zeros(lookup.num_nodes, bool)  # [lookup nodes]: a parent is never worth less than its child

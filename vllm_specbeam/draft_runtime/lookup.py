@@ -11,10 +11,11 @@ tokens exclude the lookup's, so no draft node repeats a lookup sibling. A draft 
 ``stop_threshold`` alone left out is tried regardless after 1, 2, 4, 8 such request-steps
 (:class:`~vllm_specbeam.core.budget.BackOff`, engine-wide like the values it learns: a
 short request does not start over at 1): its value is learnt only from its tries, which
-probe with one node (the draft's first, from its sync: one forward). Behind
-a lookup branch such a try is only made while the draft lags at most :data:`EXPLORE_MAX_LAG`
-committed tokens behind, since it must first catch up on them: a request the lookup serves
-from its first step never feeds its prompt to the draft for a try the threshold did not ask for.
+probe with one node (the draft's first, from its sync: one forward). Such a try is only made
+while the draft lags at most :data:`EXPLORE_MAX_LAG` committed tokens, since it must first catch
+up on them, or on new text (:data:`NEW_TEXT_STEPS` steps without a branch): a request the lookup
+serves never feeds its prompt to the draft for a try the threshold did not ask for. The threshold
+judges the fill's first level only; below it, the draft's own stopping rule decides.
 
 Lossless: lookup nodes are deterministic drafts (a point mass as their ``q`` row),
 draft-model nodes samples of the draft's ``q`` with the lookup's tokens removed;
@@ -38,9 +39,13 @@ from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 
-#: most committed tokens the draft may lag behind for a try behind a lookup branch that the threshold left out (it feeds
-#: them first: 32 rows cost about two one-row forwards on this project's CPU, docs/results/row-cost-epyc)
+#: most committed tokens the draft may lag behind for a try that the threshold left out (it feeds them first:
+#: 32 rows cost about two one-row forwards on this project's CPU, docs/results/row-cost-epyc)
 EXPLORE_MAX_LAG = 32
+#: consecutive steps without a lookup branch after which such a try catches up however far the draft lags:
+#: the text is new, and the draft, once caught up, drafts it from then on (one step without a branch is
+#: mostly an edit in copied text, where a catch-up of the whole prompt buys one node)
+NEW_TEXT_STEPS = 2
 
 #: a draft model's trees for ``requests``: at most ``caps`` nodes each, first levels without ``excludes``
 DraftFill = Callable[[list[DraftRequest], list[int], list[list[int]]], list[DraftTree]]
@@ -64,6 +69,8 @@ class LookupBranches:
         self.fill_rest = BackOff()
         #: per request: its length when the draft last ran for it (the draft lags the tokens since)
         self.drafted_at: dict[str, int] = {}
+        #: per request: consecutive steps, up to this one, without a lookup branch
+        self.without_lookup: dict[str, int] = {}
         #: engine depth: a request drafting shallower (per request, or near its max_tokens) draws lookup
         #: branches no deeper than its depth
         self.engine_depth = int(options["num_speculative_tokens"])
@@ -96,14 +103,17 @@ class LookupBranches:
             min_value = request.options.get("stop_threshold", 0.0)
             budget = request.options["max_nodes"]
             split = lookup_first(lookup, fill, budget, rates, min_value)
+            missed = self.without_lookup[request.req_id] = (
+                self.without_lookup.get(request.req_id, 0) + 1 if lookup.num_nodes == 0 else 0
+            )
             if split[1] == 0 and min_value > 0:
                 # the fill's value is learnt only from its tries: one the threshold alone leaves out
                 # is tried regardless on a back-off, else a value once below it stays there
                 waived = lookup_first(lookup, fill, budget, rates, 0.0)
-                # behind a lookup branch, only while the catch-up is short (a step with no branch gains
-                # most from the fill, and is where its value below the root alone is learnt)
+                # only while the catch-up is short, or on new text (steps with no branch gain most
+                # from the fill, and are where its value below the root alone is learnt)
                 caught_up = tokens.size - self.drafted_at.get(request.req_id, 0) <= EXPLORE_MAX_LAG
-                if waived[1] > 0 and self.fill_rest.allows() and (caught_up or lookup.num_nodes == 0):
+                if waived[1] > 0 and self.fill_rest.allows() and (caught_up or missed >= NEW_TEXT_STEPS):
                     split = (waived[0], 1)  # a probe: its first node, from the sync's logits (no extend)
             if split[1] > 0:
                 self.drafted_at[request.req_id] = tokens.size
@@ -153,6 +163,7 @@ class LookupBranches:
         self.values.remove(req_ids)
         for req_id in req_ids:
             self.drafted_at.pop(req_id, None)
+            self.without_lookup.pop(req_id, None)
 
 
 def fill_paid(tree: DraftTree, committed: Sequence[int]) -> bool:
