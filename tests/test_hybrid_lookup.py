@@ -173,7 +173,8 @@ def hybrid(runtime: DeferringRuntime, **overrides) -> McsdDrafter:
     return drafter
 
 
-REPEATS = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18] * 3 + [7, 8]  # lookup: a long chain after "7 8"
+#: lookup: a long chain after "7 8"; short enough (26 tokens) for the draft to catch up on it at once
+REPEATS = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18] * 2 + [7, 8]
 
 
 def learnt(d: McsdDrafter, lookup: float, fill: float) -> McsdDrafter:
@@ -316,6 +317,17 @@ def test_a_request_the_lookup_serves_from_its_first_step_never_feeds_its_prompt_
     synced = len(runtime.synced)
     long_prompt = [*range(600, 600 + EXPLORE_MAX_LAG), *CYCLE, *CYCLE[:2]]
     assert drive(d, runtime, long_prompt, [cycle] * 12) == [] and len(runtime.synced) == synced
+
+
+def test_a_draft_worth_running_does_not_catch_up_on_a_long_prompt_the_lookup_serves() -> None:
+    """The threshold asks for the draft (its value learnt high), but the draft would first feed
+    the whole prompt: not while the lookup has branches; at the second step without one, it does."""
+    runtime = DeferringRuntime()
+    d = learnt(hybrid(runtime, max_nodes=16, lookup_depth=4, k_config=[1]), 0.9, 0.9)
+    tokens = [*range(600, 600 + EXPLORE_MAX_LAG), *CYCLE, *CYCLE[:2]]
+    assert drive(d, runtime, tokens, [cycle] * 6) == [] and runtime.synced == []
+    # new text: the first step still ends in the cycle's n-gram (a branch), then NEW_TEXT_STEPS without one
+    assert drive(d, runtime, tokens, [novel] * 4) == [NEW_TEXT_STEPS, 3] and runtime.synced == ["r", "r"]
 
 
 def test_the_back_off_is_engine_wide_so_short_requests_do_not_each_start_over() -> None:

@@ -11,11 +11,11 @@ tokens exclude the lookup's, so no draft node repeats a lookup sibling. A draft 
 ``stop_threshold`` alone left out is tried regardless after 1, 2, 4, 8 such request-steps
 (:class:`~vllm_specbeam.core.budget.BackOff`, engine-wide like the values it learns: a
 short request does not start over at 1): its value is learnt only from its tries, which
-probe with one node (the draft's first, from its sync: one forward). Such a try is only made
-while the draft lags at most :data:`EXPLORE_MAX_LAG` committed tokens, since it must first catch
-up on them, or on new text (:data:`NEW_TEXT_STEPS` steps without a branch): a request the lookup
-serves never feeds its prompt to the draft for a try the threshold did not ask for. The threshold
-judges the fill's first level only; below it, the draft's own stopping rule decides.
+probe with one node (the draft's first, from its sync: one forward). The threshold judges the
+fill's first level only; below it, the draft's own stopping rule decides. Either way the draft
+runs only while it lags at most :data:`EXPLORE_MAX_LAG` committed tokens, since it must first
+catch up on them, or on new text (:data:`NEW_TEXT_STEPS` steps without a branch): a request the
+lookup serves never feeds its prompt to the draft.
 
 Lossless: lookup nodes are deterministic drafts (a point mass as their ``q`` row),
 draft-model nodes samples of the draft's ``q`` with the lookup's tokens removed;
@@ -39,12 +39,12 @@ from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 
-#: most committed tokens the draft may lag behind for a try that the threshold left out (it feeds them first:
-#: 32 rows cost about two one-row forwards on this project's CPU, docs/results/row-cost-epyc)
+#: most committed tokens the draft may lag behind and still draft (it feeds them first: 32 rows cost about
+#: two one-row forwards on this project's CPU, docs/results/row-cost-epyc)
 EXPLORE_MAX_LAG = 32
-#: consecutive steps without a lookup branch after which such a try catches up however far the draft lags:
-#: the text is new, and the draft, once caught up, drafts it from then on (one step without a branch is
-#: mostly an edit in copied text, where a catch-up of the whole prompt buys one node)
+#: consecutive steps without a lookup branch after which the draft catches up however far it lags: the
+#: text is new, and the draft, once caught up, drafts it from then on (one step without a branch is mostly
+#: an edit in copied text, where a catch-up of the whole prompt buys a node or two)
 NEW_TEXT_STEPS = 2
 
 #: a draft model's trees for ``requests``: at most ``caps`` nodes each, first levels without ``excludes``
@@ -106,15 +106,19 @@ class LookupBranches:
             missed = self.without_lookup[request.req_id] = (
                 self.without_lookup.get(request.req_id, 0) + 1 if lookup.num_nodes == 0 else 0
             )
+            # a draft that lags far first feeds what it lags (at a request's start, its whole prompt),
+            # which pays only on new text: one step without a branch is mostly an edit in copied text
+            may_catch_up = (
+                tokens.size - self.drafted_at.get(request.req_id, 0) <= EXPLORE_MAX_LAG or missed >= NEW_TEXT_STEPS
+            )
             if split[1] == 0 and min_value > 0:
                 # the fill's value is learnt only from its tries: one the threshold alone leaves out
                 # is tried regardless on a back-off, else a value once below it stays there
                 waived = lookup_first(lookup, fill, budget, rates, 0.0)
-                # only while the catch-up is short, or on new text (steps with no branch gain most
-                # from the fill, and are where its value below the root alone is learnt)
-                caught_up = tokens.size - self.drafted_at.get(request.req_id, 0) <= EXPLORE_MAX_LAG
-                if waived[1] > 0 and self.fill_rest.allows() and (caught_up or missed >= NEW_TEXT_STEPS):
+                if waived[1] > 0 and self.fill_rest.allows() and may_catch_up:
                     split = (waived[0], 1)  # a probe: its first node, from the sync's logits (no extend)
+            elif split[1] > 0 and not may_catch_up:
+                split = lookup_first(lookup, fill, budget, rates, np.inf)  # the lookup's branches alone
             if split[1] > 0:
                 self.drafted_at[request.req_id] = tokens.size
             out.append(split)
