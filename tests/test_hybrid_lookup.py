@@ -26,7 +26,15 @@ from test_verifiers_sampling import (
     sibling_draws,
 )
 
-from vllm_specbeam.core.budget import DEPTH_BUCKETS, FILL_KIND, KIND_BUCKETS, RANK_BUCKETS, BackOff, lookup_first
+from vllm_specbeam.core.budget import (
+    DEPTH_BUCKETS,
+    FILL_KIND,
+    KIND_BUCKETS,
+    RANK_BUCKETS,
+    BackOff,
+    StepCost,
+    lookup_first,
+)
 from vllm_specbeam.core.config import METHODS, SpecbeamConfigError, parse
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
@@ -191,6 +199,30 @@ def test_a_lookup_that_fills_the_budget_runs_no_draft() -> None:
     tree = d.propose([DraftRequest("r", np.array(REPEATS), d.options)])[0]
     assert tree.tokens.tolist() == [9, 10, 11, 12, 13, 14, 15, 16] and set(tree.kinds.tolist()) == {0}
     assert runtime.synced == [] and runtime.fed == [] and runtime.deferred == ["r"]
+
+
+#: 10 ms a step up to 3 rows, 5 ms more for each row past them
+DEAR_ROWS = StepCost(intercept=0.010, slope=0.0, knee=3, bend=0.005)
+
+
+def test_the_step_cost_cuts_the_lookup_to_the_nodes_that_pay() -> None:
+    """As ``lookup_tree``'s ``"max_nodes": "auto"``: the chain's values are 0.95, 0.9025, 0.857...;
+    at batch 1 under :data:`DEAR_ROWS` two nodes give 2.85 tokens in 10 ms, three 3.71 in 15 ms.
+    The cut nodes are judged all the same (so their value can rise again)."""
+    runtime = DeferringRuntime()
+    d = learnt(hybrid(runtime, max_nodes=8, k_config=[1], stop_threshold=0.0), 0.95, 0.5)
+    assert d.cuts_to_step_cost
+    request = DraftRequest("r", np.array(REPEATS), d.options)
+    d.plan_step(1, DEAR_ROWS)
+    tree = d.propose([request])[0]
+    assert tree.tokens.tolist() == [9, 10] and runtime.synced == [] and runtime.deferred == ["r"]
+    d.propose([DraftRequest("r", np.array([*REPEATS, 9, 10, 11, 12, 99]), d.options)])
+    counts = d.lookup.values.requests["r"].counts  # judged: the 8-node chain against 5 committed tokens
+    assert counts.trials.sum() == 5 and counts.hits.sum() == 4
+    d.plan_step(1, StepCost(intercept=0.010, slope=0.0))  # rows free: the whole chain
+    assert d.propose([request])[0].num_nodes == 8
+    d.plan_step(8, DEAR_ROWS)  # 8 requests' own rows already past the knee: no node pays
+    assert d.propose([request])[0].num_nodes == 0
 
 
 def test_the_draft_fills_what_the_lookup_leaves_below_the_root() -> None:

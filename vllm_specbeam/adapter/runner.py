@@ -272,8 +272,9 @@ class TreeRunnerMixin:
         self.tree_counts = TreeCounts()
         #: the draft model inside the worker (draft-model methods on CPU), see :mod:`.draft_model`
         self.draft_runtime: WorkerDraftRuntime | None = None
-        #: each step's nodes for ``"max_nodes": "auto"`` requests (methods whose trees may be cut)
-        self.budget = StepBudget() if METHODS[config.method].prunable else None
+        #: each step's nodes for ``"max_nodes": "auto"`` requests (methods whose trees may be cut), and
+        #: the step cost for drafters that cut their own trees by it (lookup branches of draft-model methods)
+        self.budget = StepBudget() if METHODS[config.method].prunable or self.tree_drafter.cuts_to_step_cost else None
         self._timed_step: TimedStep | None = None
         self._timed_steps = 0
         self._budget_logged = time.monotonic()
@@ -452,12 +453,15 @@ class TreeRunnerMixin:
             return
         self._budget_logged = now
         counts, cost = self.tree_counts, self.budget.cost
+        kept = (
+            ""
+            if counts.budget_asked == 0  # a drafter that cuts its own trees (no "auto" request)
+            else f"{counts.budget_kept / counts.budget_asked:.2f} of {counts.budget_drafted / counts.budget_asked:.2f} "
+            f"drafted nodes kept per asked request, {counts.budget_idle} idle; "
+        )
         logger.info(
-            "vllm-specbeam step budget: %.2f of %.2f drafted nodes kept per asked request, %d idle; "
-            "step cost %.1f ms + %.3f ms per row, %.3f ms more per row past %d rows",
-            counts.budget_kept / max(counts.budget_asked, 1),
-            counts.budget_drafted / max(counts.budget_asked, 1),
-            counts.budget_idle,
+            "vllm-specbeam step budget: %sstep cost %.1f ms + %.3f ms per row, %.3f ms more per row past %d rows",
+            kept,
             1e3 * cost.intercept,
             1e3 * cost.slope,
             1e3 * cost.bend,
@@ -781,6 +785,8 @@ class TreeRunnerMixin:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         max_len = self.vllm_config.model_config.max_model_len
         start = time.perf_counter()
+        if self.budget is not None and self.tree_drafter.cuts_to_step_cost:
+            self.tree_drafter.plan_step(self.input_batch.num_reqs, self.budget.cost)
         trees = self.tree_drafter.propose(requests)
         elapsed = time.perf_counter() - start
         self.tree_counts.draft_seconds += elapsed

@@ -231,6 +231,14 @@ def choose_nodes(
     return np.split(chosen, np.cumsum([tree.num_nodes for tree in trees])[:-1])
 
 
+def keep_what_pays(
+    trees: Sequence[DraftTree], values: Sequence[Sequence[float]], base_tokens: float, base_rows: float, cost: StepCost
+) -> list[DraftTree]:
+    """``trees`` cut to the nodes :func:`choose_nodes` keeps."""
+    masks = choose_nodes(trees, values, base_tokens, base_rows, cost)
+    return [tree if mask.all() else tree.keep(mask) for tree, mask in zip(trees, masks)]
+
+
 @dataclass
 class BackOff:
     """How long a request's drafting source (``aded``'s search, a draft model behind lookup
@@ -344,8 +352,7 @@ class StepBudget:
         else:
             engine = self.engine_rates()
             values = [path_values(shape, self.rates(req_id, engine)) for req_id, shape in zip(req_ids, shapes)]
-            masks = choose_nodes(trees, values, batch_size, batch_size + other_rows, self.cost)
-            kept = [tree if mask.all() else tree.keep(mask) for tree, mask in zip(trees, masks)]
+            kept = keep_what_pays(trees, values, batch_size, batch_size + other_rows, self.cost)
         for drafted, tree, req_id in zip(trees, kept, req_ids):
             if drafted.num_nodes == 0:  # the drafter found nothing: its own call, nothing learnt
                 continue

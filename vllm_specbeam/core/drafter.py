@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from vllm_specbeam.core.budget import StepCost
 from vllm_specbeam.core.tree import DraftTree
 
 
@@ -75,6 +76,16 @@ class TreeDrafter(ABC):
         A tree may hold at most ``options["max_nodes"]`` nodes and reach at most
         ``options["num_speculative_tokens"]`` deep.
         """
+
+    @property
+    def cuts_to_step_cost(self) -> bool:
+        """Whether the drafter cuts its trees by what a step costs (:meth:`plan_step`): the runner then
+        times its steps, as for ``"max_nodes": "auto"``."""
+        return False
+
+    def plan_step(self, batch_size: int, cost: StepCost | None) -> None:
+        """Before :meth:`propose`, when :attr:`cuts_to_step_cost`: the step's ``batch_size`` requests and
+        the fitted seconds of a step by rows (``None`` until steps were timed)."""
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free per-request state: the request finished, was aborted or preempted."""

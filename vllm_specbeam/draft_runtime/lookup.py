@@ -27,12 +27,23 @@ drawn from (``tests/test_hybrid_lookup.py`` enumerates it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from vllm_specbeam.core.budget import FILL_KIND, BackOff, RequestBudget, StepBudget, lookup_first
+from vllm_specbeam.core.budget import (
+    FILL_KIND,
+    BackOff,
+    RequestBudget,
+    StepBudget,
+    StepCost,
+    TreeShape,
+    keep_what_pays,
+    lookup_first,
+    path_values,
+)
 from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
@@ -51,6 +62,19 @@ NEW_TEXT_STEPS = 2
 DraftFill = Callable[[list[DraftRequest], list[int], list[list[int]]], list[DraftTree]]
 #: one request's tree from its lookup tree and the draft model's (empty when it ran no forward)
 Mix = Callable[[DraftRequest, DraftTree, DraftTree], DraftTree]
+
+
+@dataclass(frozen=True)
+class LookupSplit:
+    """One request's share of a step: lookup nodes to verify, and room for the draft model."""
+
+    #: the lookup nodes verified this step
+    verified: DraftTree
+    #: the lookup nodes the budget judges at the next step (the step cost's cut included: the committed
+    #: tokens tell whether they would have paid)
+    judged: DraftTree
+    #: how many of the fill's first nodes the draft may add (0: no draft forward for it this step)
+    fill_nodes: int
 
 
 class LookupBranches:
@@ -74,6 +98,9 @@ class LookupBranches:
         #: engine depth: a request drafting shallower (per request, or near its max_tokens) draws lookup
         #: branches no deeper than its depth
         self.engine_depth = int(options["num_speculative_tokens"])
+        #: the step being drafted: its requests and the fitted seconds of a step by rows (the runner's)
+        self.batch_size = 0
+        self.cost: StepCost | None = None
 
     def request(self, request: DraftRequest) -> DraftRequest:
         """``request`` with the lookup drafter's options."""
@@ -84,12 +111,15 @@ class LookupBranches:
         lookup = {**self.options, "num_speculative_tokens": depth, "max_nodes": options["max_nodes"]}
         return DraftRequest(request.req_id, request.token_ids, lookup, request.temperature)
 
-    def split(self, requests: Sequence[DraftRequest], fills: Sequence[DraftTree]) -> list[tuple[DraftTree, int]]:
-        """Per request: its lookup tree and how many of ``fill``'s first nodes the draft may add
-        (0: no draft forward for it this step). ``fill``: the largest tree the draft could grow."""
+    def split(self, requests: Sequence[DraftRequest], fills: Sequence[DraftTree]) -> list[LookupSplit]:
+        """Per request: its lookup nodes and the draft's room (``fill``: the largest tree the draft
+        could grow), then the batch's lookup nodes cut to those that pay for their rows
+        (:func:`~vllm_specbeam.core.budget.keep_what_pays` under :attr:`cost`, as ``lookup_tree``'s
+        ``"max_nodes": "auto"``; the fill's rows are counted as fixed)."""
         found = self.drafter.propose([self.request(r) for r in requests])
         engine = self.values.engine_rates()
-        out = []
+        out: list[tuple[DraftTree, int]] = []
+        values: list[list[float]] = []
         for request, lookup, fill in zip(requests, found, fills):
             tokens = request.token_ids
             state = self.values.requests.setdefault(request.req_id, RequestBudget())
@@ -122,7 +152,13 @@ class LookupBranches:
             if split[1] > 0:
                 self.drafted_at[request.req_id] = tokens.size
             out.append(split)
-        return out
+            values.append(path_values(TreeShape.of(split[0]), rates))
+        lookups = [lookup for lookup, _ in out]
+        if self.cost is not None:
+            fill_rows = sum(cap for _, cap in out)
+            batch = max(self.batch_size, len(requests))
+            lookups = keep_what_pays(lookups, values, batch, batch + fill_rows, self.cost)
+        return [LookupSplit(cut, lookup, cap) for cut, (lookup, cap) in zip(lookups, out)]
 
     def propose(
         self,
@@ -135,24 +171,26 @@ class LookupBranches:
         """Every request's tree: its lookup branches (:meth:`split`), then ``draft``'s nodes for
         those the lookup leaves room for, mixed by ``mix``; the others run no draft forward
         (``runtime.defer``) and get ``mix(request, lookup, DraftTree.empty())``."""
-        split = self.split(requests, fills)
-        drafting = [k for k, (_, cap) in enumerate(split) if cap > 0]
-        runtime.defer([r.req_id for r, (_, cap) in zip(requests, split) if cap == 0])
+        splits = self.split(requests, fills)
+        drafting = [k for k, split in enumerate(splits) if split.fill_nodes > 0]
+        runtime.defer([r.req_id for r, split in zip(requests, splits) if split.fill_nodes == 0])
         drafted = dict(
             zip(
                 drafting,
                 draft(
                     [requests[k] for k in drafting],
-                    [split[k][1] for k in drafting],
-                    [root_tokens(split[k][0]) for k in drafting],
+                    [splits[k].fill_nodes for k in drafting],
+                    [root_tokens(splits[k].verified) for k in drafting],
                 ),
             )
         )
-        trees = [
-            mix(r, lookup, drafted.get(k, DraftTree.empty())) for k, (r, (lookup, _)) in enumerate(zip(requests, split))
-        ]
-        for request, tree in zip(requests, trees):
-            self.drafted(request, tree)
+        trees = []
+        for k, (request, split) in enumerate(zip(requests, splits)):
+            fill = drafted.get(k)
+            trees.append(mix(request, split.verified, DraftTree.empty() if fill is None else fill))
+            # the cut lookup nodes are judged too (so their values can rise again), unless the fill's
+            # first level, drawn without the verified lookup's tokens only, may repeat a cut one
+            self.drafted(request, split.judged if fill is None else trees[-1])
         return trees
 
     def drafted(self, request: DraftRequest, tree: DraftTree) -> None:
@@ -224,6 +262,14 @@ class LookupFirstDrafter:
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)  # type: ignore[call-arg]  # the drafter's base class
         self.lookup = None if self.options["lookup"] == "off" else LookupBranches(self.options)
+
+    @property
+    def cuts_to_step_cost(self) -> bool:
+        return self.lookup is not None
+
+    def plan_step(self, batch_size: int, cost: StepCost | None) -> None:
+        assert self.lookup is not None  # asked only when cuts_to_step_cost
+        self.lookup.batch_size, self.lookup.cost = batch_size, cost
 
     @property
     def learns_across_requests(self) -> bool:
