@@ -434,7 +434,9 @@ def mcsd_plan(
         settings.append(Setting(label, values, extra_args=dict(values)))
         no_stop = {**values, "stop_threshold": 0.0}
         settings.append(Setting(f"{label}/no-stop", no_stop, extra_args=dict(no_stop)))
-    return {**config, "num_speculative_tokens": max(depths), "max_nodes": nodes, "k_config": k_configs[0]}, settings
+    # the draft alone: its lookup twin (``mcsd+lookup``) is mcsd's default
+    engine = {**config, "num_speculative_tokens": max(depths), "max_nodes": nodes, "k_config": k_configs[0]}
+    return {**engine, "lookup": "off"}, settings
 
 
 def dsbd_plan(config: dict[str, Any], settings: list[Setting], grid: Grid) -> tuple[dict[str, Any], list[Setting]]:

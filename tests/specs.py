@@ -14,4 +14,5 @@ LOOKUP_GLOBAL = {"method": "lookup_tree", "num_speculative_tokens": 8, "max_node
 ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterations": 40, "num_paths": 8}
 ADED_AUTO = {**ADED, "max_nodes": "auto", "auto_max_nodes": 12}
 #: draft-model methods: add ``"model"``
-MCSD = {"method": "mcsd", "num_speculative_tokens": 4, "max_nodes": 14, "k_config": [2, 2]}
+#: the draft alone (``"lookup"`` is ``"global"`` unless set: test_hybrid_lookup_engine's ``HYBRID``)
+MCSD = {"method": "mcsd", "num_speculative_tokens": 4, "max_nodes": 14, "k_config": [2, 2], "lookup": "off"}

@@ -427,13 +427,15 @@ def test_forgetting_finished_requests_empties_the_global_lookup_index() -> None:
     assert d.lookup.drafter.index.num_sequences == 0
 
 
-def test_lookup_is_engine_wide_per_request() -> None:
-    config = parse({"method": "mcsd", "model": "draft", "lookup": "global"})
+def test_lookup_is_global_by_default_and_engine_wide() -> None:
+    config = parse({"method": "mcsd", "model": "draft"})
     assert config.options["lookup"] == "global" and config.options["lookup_depth"] == 24
     # lookup on gives the lookup's trees room unless max_nodes is set; off keeps mcsd's own default
     assert config.options["max_nodes"] == 48
-    assert parse({"method": "mcsd", "model": "draft", "lookup": "global", "max_nodes": 8}).options["max_nodes"] == 8
-    assert parse({"method": "mcsd", "model": "draft"}).options["max_nodes"] == 16
+    assert parse({"method": "mcsd", "model": "draft", "lookup": "request"}).options["max_nodes"] == 48
+    assert parse({"method": "mcsd", "model": "draft", "max_nodes": 8}).options["max_nodes"] == 8
+    assert parse({"method": "mcsd", "model": "draft", "lookup": "off"}).options["max_nodes"] == 16
+    assert METHODS["dsbd"].options()["lookup"].default == "off"  # not measured to pay on dsbd's beams
     with pytest.raises(SpecbeamConfigError, match=r"'lookup' is engine-wide.*set it in the engine's speculative"):
         config.with_overrides({"lookup": "off"})
     assert config.with_overrides({"lookup_depth": 4})["lookup_depth"] == 4

@@ -95,7 +95,8 @@ class FakeRuntime:
 
 def options(**overrides) -> dict:
     return checked_options(
-        McsdDrafter, **{"draft_model": "draft", "num_speculative_tokens": 4, "max_nodes": 64, **overrides}
+        McsdDrafter,
+        **{"draft_model": "draft", "num_speculative_tokens": 4, "max_nodes": 64, "lookup": "off", **overrides},
     )
 
 

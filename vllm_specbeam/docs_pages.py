@@ -82,14 +82,17 @@ def render_options() -> str:
             "| option | default | range | per request | meaning |",
             "|---|---|---|---|---|",
         ]
-        for key, option in method.options().items():
+        options = method.options()
+        # the defaults with nothing set (mcsd's default lookup gives its trees room)
+        unset = {key: option.default for key, option in options.items()} | drafter.defaults_for({})
+        for key, option in options.items():
             per_request = "no" if not option.per_request else "lower only" if key in capped else "yes"
-            lines.append(
-                f"| `{key}` | {_value(option.default)} | {_range(option)} | {per_request} | {_cell(option.help)} |"
-            )
-        for key, option in method.options().items():
+            default = _value(unset[key])
+            lines.append(f"| `{key}` | {default} | {_range(option)} | {per_request} | {_cell(option.help)} |")
+        for key, option in options.items():
             for choice in option.choices or ():
-                changed = drafter.defaults_for({key: choice})
+                chosen = {k: option.default for k, option in options.items()} | drafter.defaults_for({key: choice})
+                changed = {k: v for k, v in chosen.items() if v != unset[k]}
                 if changed:
                     values = ", ".join(f"`{k}` {_value(v)}" for k, v in changed.items())
                     lines += ["", f'With `"{key}": {json.dumps(choice)}` the defaults become: {values} (unless set).']

@@ -75,6 +75,7 @@ def collect(args: argparse.Namespace) -> dict[str, np.ndarray]:
         "max_nodes": args.depth,
         "stop_threshold": 0.0,
         "collect": True,
+        "lookup": "off",  # the draft every step, its whole chain: no lookup branch takes its place
         **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
     }
     llm = LLM(
