@@ -603,7 +603,7 @@ def test_plan_runs_the_lookup_twins_of_mcsd_and_the_dsbd_chain_an_engine_per_set
     ]
     # a plain row alone brings no twin; "all" (with a draft) brings both
     _, engines = plan.plan(plan_args(draft="/d", methods=["mcsd", plan.DSBD_CHAIN]))
-    assert not any("lookup" in (e.speculative_config or {}) for e in engines)
+    assert not any((e.speculative_config or {}).get("lookup", "off") != "off" for e in engines)
     status, _ = plan.plan(plan_args(draft="/d"))
     assert status[plan.MCSD_LOOKUP].status == status[plan.DSBD_CHAIN_LOOKUP].status == "ok"
     status, _ = plan.plan(plan_args(methods=[plan.MCSD_LOOKUP]))
