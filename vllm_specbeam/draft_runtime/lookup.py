@@ -9,13 +9,13 @@ learns from the committed tokens); when they leave none, the draft runs no forwa
 that step (``DraftRuntime.defer``) and catches up at its next sync. Its first-level
 tokens exclude the lookup's, so no draft node repeats a lookup sibling. A draft that
 ``stop_threshold`` alone left out is tried regardless after 1, 2, 4, 8 such request-steps
-(:class:`~vllm_specbeam.core.budget.BackOff`, engine-wide like the values it learns: a
-short request does not start over at 1): its value is learnt only from its tries, which
-probe with one node (the draft's first, from its sync: one forward). The threshold judges the
+(an engine-wide :class:`~vllm_specbeam.core.budget.BackOff`), since its value is learnt only
+from its tries, which probe with one node (the draft's first, from its sync). The threshold judges the
 fill's first level only; below it, the draft's own stopping rule decides. Either way the draft
 runs only while it lags at most :data:`EXPLORE_MAX_LAG` committed tokens, since it must first
 catch up on them, or on new text (:data:`NEW_TEXT_STEPS` steps without a branch): a request the
-lookup serves never feeds its prompt to the draft.
+lookup serves never feeds its prompt to the draft. The batch's lookup nodes are then cut to
+those that pay for their rows under the runner's fitted step cost (as ``"max_nodes": "auto"``).
 
 Lossless: lookup nodes are deterministic drafts (a point mass as their ``q`` row),
 draft-model nodes samples of the draft's ``q`` with the lookup's tokens removed;
