@@ -142,21 +142,24 @@ def rates(lookup: float, fill: float) -> np.ndarray:
 def test_lookup_first_keeps_the_most_valuable_nodes() -> None:
     chain = LOOKUPS["chain"]
     fill = DraftTree(np.zeros(2, np.int64), np.array([ROOT, 0]))
-    kept, left = lookup_first(chain, fill, 3, rates(0.9, 0.6), 0.0)
-    assert kept.num_nodes == 2 and left == 1  # 0.9, 0.81 from the lookup, then the fill's 0.6
-    assert lookup_first(chain, fill, 3, rates(0.9, 0.6), 0.7)[1] == 0  # the fill is worth too little
-    kept, left = lookup_first(chain, fill, 2, rates(0.5, 0.9), 0.0)
-    assert kept.num_nodes == 0 and left == 2  # the fill's 0.9 and 0.81 beat the lookup's 0.5 and 0.25
-    kept, left = lookup_first(chain, fill, 3, rates(0.85, 0.9), 0.0)
-    assert kept.num_nodes == 1 and left == 2  # 0.9, 0.85, 0.81 (fill, lookup, fill) beat 0.7225
-    kept, left = lookup_first(chain, fill, 1, rates(0.9, 0.9), 0.0)
-    assert kept.num_nodes == 1 and left == 0  # ties go to the lookup
-    kept, left = lookup_first(chain, fill, 4, rates(0.9, 0.6), 0.5)
-    assert kept.num_nodes == 2 and left == 2  # the threshold judges the fill's first level only (0.6, not 0.36)
+    share = lookup_first(chain, fill, 3, rates(0.9, 0.6), 0.0)
+    assert share.lookup.num_nodes == 2 and share.fill_nodes == 1  # 0.9, 0.81 from the lookup, then the fill's 0.6
+    assert np.allclose(share.values, [0.9, 0.81])
+    assert lookup_first(chain, fill, 3, rates(0.9, 0.6), 0.7).fill_nodes == 0  # the fill is worth too little
+    share = lookup_first(chain, fill, 2, rates(0.5, 0.9), 0.0)
+    assert share.lookup.num_nodes == 0 and share.fill_nodes == 2  # the fill's 0.9 and 0.81 beat 0.5 and 0.25
+    assert share.values == []
+    share = lookup_first(chain, fill, 3, rates(0.85, 0.9), 0.0)
+    assert share.lookup.num_nodes == 1 and share.fill_nodes == 2  # 0.9, 0.85, 0.81 (fill, lookup, fill) beat 0.7225
+    share = lookup_first(chain, fill, 1, rates(0.9, 0.9), 0.0)
+    assert share.lookup.num_nodes == 1 and share.fill_nodes == 0  # ties go to the lookup
+    share = lookup_first(chain, fill, 4, rates(0.9, 0.6), 0.5)
+    # the threshold judges the fill's first level only (0.6, not 0.36)
+    assert share.lookup.num_nodes == 2 and share.fill_nodes == 2
     siblings = DraftTree(np.zeros(3, np.int64), np.array([ROOT, ROOT, 1]))
     table = rates(0.9, 0.6)
     table[FILL_KIND, 0, 2:] = 0.4  # the second candidate (third below the root) is below the threshold: its child too
-    assert lookup_first(chain, siblings, 8, table, 0.5)[1] == 1
+    assert lookup_first(chain, siblings, 8, table, 0.5).fill_nodes == 1
 
 
 class DeferringRuntime(FakeRuntime):

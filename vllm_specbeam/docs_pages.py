@@ -84,14 +84,15 @@ def render_options() -> str:
         ]
         options = method.options()
         # the defaults with nothing set (mcsd's default lookup gives its trees room)
-        unset = {key: option.default for key, option in options.items()} | drafter.defaults_for({})
+        plain = {key: option.default for key, option in options.items()}
+        unset = plain | drafter.defaults_for({})
         for key, option in options.items():
             per_request = "no" if not option.per_request else "lower only" if key in capped else "yes"
             default = _value(unset[key])
             lines.append(f"| `{key}` | {default} | {_range(option)} | {per_request} | {_cell(option.help)} |")
         for key, option in options.items():
             for choice in option.choices or ():
-                chosen = {k: option.default for k, option in options.items()} | drafter.defaults_for({key: choice})
+                chosen = plain | drafter.defaults_for({key: choice})
                 changed = {k: v for k, v in chosen.items() if v != unset[k]}
                 if changed:
                     values = ", ".join(f"`{k}` {_value(v)}" for k, v in changed.items())

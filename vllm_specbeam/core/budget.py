@@ -374,12 +374,22 @@ class StepBudget:
             self.requests.pop(req_id, None)
 
 
-def lookup_first(
-    lookup: DraftTree, fill: DraftTree, budget: int, rates: np.ndarray, min_value: float
-) -> tuple[DraftTree, int]:
+@dataclass(frozen=True)
+class LookupShare:
+    """What :func:`lookup_first` keeps of a step's tree."""
+
+    #: the lookup nodes kept
+    lookup: DraftTree
+    #: their values (:func:`path_values`), in their order
+    values: list[float]
+    #: how many of the fill's first nodes the draft model may add (0: it does not run)
+    fill_nodes: int
+
+
+def lookup_first(lookup: DraftTree, fill: DraftTree, budget: int, rates: np.ndarray, min_value: float) -> LookupShare:
     """Lookup branches first, ``fill`` (the largest tree a draft model may grow below the root,
-    its nodes drafted in order) gets what they leave: the lookup nodes kept, and how many of
-    ``fill``'s first nodes to draft.
+    its nodes drafted in order) gets what they leave: the lookup nodes kept with their values,
+    and how many of ``fill``'s first nodes to draft.
 
     Both hang from the root, ``fill``'s first level after the lookup's (its nodes are
     :data:`FILL_KIND`), and every node is valued by :func:`path_values` under ``rates``
@@ -407,4 +417,8 @@ def lookup_first(
     best = best[np.isfinite(values[best])]
     kept = np.zeros(lookup.num_nodes, bool)  # [lookup nodes]: a parent is never worth less than its child
     kept[best[best < lookup.num_nodes]] = True
-    return (lookup if kept.all() else lookup.keep(kept)), int(np.sum(best >= lookup.num_nodes))
+    return LookupShare(
+        lookup if kept.all() else lookup.keep(kept),
+        values[: lookup.num_nodes][kept].tolist(),
+        int(np.sum(best >= lookup.num_nodes)),
+    )

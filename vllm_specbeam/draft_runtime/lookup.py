@@ -26,6 +26,7 @@ drawn from (``tests/test_hybrid_lookup.py`` enumerates it).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +37,12 @@ import torch
 from vllm_specbeam.core.budget import (
     FILL_KIND,
     BackOff,
+    LookupShare,
     RequestBudget,
     StepBudget,
     StepCost,
-    TreeShape,
     keep_what_pays,
     lookup_first,
-    path_values,
 )
 from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
@@ -70,8 +70,8 @@ class LookupSplit:
 
     #: the lookup nodes verified this step
     verified: DraftTree
-    #: the lookup nodes the budget judges at the next step (the step cost's cut included: the committed
-    #: tokens tell whether they would have paid)
+    #: the lookup nodes the budget judges at the next step: those before the step cost's cut (the
+    #: committed tokens tell whether the cut ones would have paid)
     judged: DraftTree
     #: how many of the fill's first nodes the draft may add (0: no draft forward for it this step)
     fill_nodes: int
@@ -98,7 +98,8 @@ class LookupBranches:
         #: engine depth: a request drafting shallower (per request, or near its max_tokens) draws lookup
         #: branches no deeper than its depth
         self.engine_depth = int(options["num_speculative_tokens"])
-        #: the step being drafted: its requests and the fitted seconds of a step by rows (the runner's)
+        #: the step being drafted (:meth:`LookupFirstDrafter.plan_step`): its requests and the runner's
+        #: fitted seconds of a step by rows
         self.batch_size = 0
         self.cost: StepCost | None = None
 
@@ -118,8 +119,7 @@ class LookupBranches:
         ``"max_nodes": "auto"``; the fill's rows are counted as fixed)."""
         found = self.drafter.propose([self.request(r) for r in requests])
         engine = self.values.engine_rates()
-        out: list[tuple[DraftTree, int]] = []
-        values: list[list[float]] = []
+        out: list[LookupShare] = []
         for request, lookup, fill in zip(requests, found, fills):
             tokens = request.token_ids
             state = self.values.requests.setdefault(request.req_id, RequestBudget())
@@ -141,24 +141,23 @@ class LookupBranches:
             may_catch_up = (
                 tokens.size - self.drafted_at.get(request.req_id, 0) <= EXPLORE_MAX_LAG or missed >= NEW_TEXT_STEPS
             )
-            if split[1] == 0 and min_value > 0:
+            if split.fill_nodes == 0 and min_value > 0:
                 # the fill's value is learnt only from its tries: one the threshold alone leaves out
                 # is tried regardless on a back-off, else a value once below it stays there
                 waived = lookup_first(lookup, fill, budget, rates, 0.0)
-                if waived[1] > 0 and self.fill_rest.allows() and may_catch_up:
-                    split = (waived[0], 1)  # a probe: its first node, from the sync's logits (no extend)
-            elif split[1] > 0 and not may_catch_up:
+                if waived.fill_nodes > 0 and self.fill_rest.allows() and may_catch_up:
+                    # a probe: its first node, from the sync's logits (no extend)
+                    split = dataclasses.replace(waived, fill_nodes=1)
+            elif split.fill_nodes > 0 and not may_catch_up:
                 split = lookup_first(lookup, fill, budget, rates, np.inf)  # the lookup's branches alone
-            if split[1] > 0:
+            if split.fill_nodes > 0:
                 self.drafted_at[request.req_id] = tokens.size
             out.append(split)
-            values.append(path_values(TreeShape.of(split[0]), rates))
-        lookups = [lookup for lookup, _ in out]
+        lookups = [share.lookup for share in out]
         if self.cost is not None:
-            fill_rows = sum(cap for _, cap in out)
-            batch = max(self.batch_size, len(requests))
-            lookups = keep_what_pays(lookups, values, batch, batch + fill_rows, self.cost)
-        return [LookupSplit(cut, lookup, cap) for cut, (lookup, cap) in zip(lookups, out)]
+            rows = self.batch_size + sum(share.fill_nodes for share in out)
+            lookups = keep_what_pays(lookups, [share.values for share in out], self.batch_size, rows, self.cost)
+        return [LookupSplit(cut, share.lookup, share.fill_nodes) for cut, share in zip(lookups, out)]
 
     def propose(
         self,
