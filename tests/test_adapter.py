@@ -145,12 +145,13 @@ def test_every_override_of_a_vllm_class_is_marked():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
+    from vllm_specbeam.adapter import cpu_worker
     from vllm_specbeam.adapter.attention import cuda
     from vllm_specbeam.adapter.runner import TreeRunnerMixin
 
     for ours, base in [
         (TreeRunnerMixin, GPUModelRunner),
-        (worker.TreeCPUWorker, CPUWorker),
+        (cpu_worker.TreeCPUWorker, CPUWorker),
         (worker.TreeGPUWorker, Worker),
         (cuda.TreeTritonAttentionImpl, triton_attn.TritonAttentionImpl),
         (cuda.TreeTritonAttentionBackend, triton_attn.TritonAttentionBackend),
@@ -171,7 +172,7 @@ def test_plugin_methods_run_in_the_plugins_worker(tiny_model):
 def test_a_worker_cls_of_ones_own_is_refused_for_plugin_methods(tiny_model):
     with pytest.raises(
         SpecbeamConfigError,
-        match=r"methods run in the plugin's worker \(vllm_specbeam\.adapter\.worker\.TreeCPUWorker\), "
+        match=r"methods run in the plugin's worker \(vllm_specbeam\.adapter\.cpu_worker\.TreeCPUWorker\), "
         r"but worker_cls=my_package\.MyWorker was set; remove --worker-cls / worker_cls",
     ):
         create_config(tiny_model, LOOKUP, worker_cls="my_package.MyWorker")
@@ -194,7 +195,7 @@ def test_the_v2_model_runner_is_refused_for_plugin_methods(tiny_model, monkeypat
 
 def test_the_worker_refuses_a_v2_runner_forced_otherwise():
     with pytest.raises(RuntimeError, match=r"V2 model runner.*HiSparse attention and watermarking"):
-        worker._check_v1_runner(SimpleNamespace(use_v2_model_runner=True))
+        worker.check_v1_runner(SimpleNamespace(use_v2_model_runner=True))
 
 
 # ------------------------------------------------------------------ engine

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 ADDITIONAL_CONFIG_KEY = "specbeam"
 #: The class vLLM's ``custom_class`` carrier instantiates as the runner's drafter.
 DRAFTER_HOST = "vllm_specbeam.adapter.runner.DrafterHost"
-#: The workers that build the tree runner (:mod:`vllm_specbeam.adapter.worker`), by platform.
-CPU_WORKER = "vllm_specbeam.adapter.worker.TreeCPUWorker"
+#: The workers that build the tree runner, by platform (:mod:`.cpu_worker`, :mod:`.worker`).
+CPU_WORKER = "vllm_specbeam.adapter.cpu_worker.TreeCPUWorker"
 GPU_WORKER = "vllm_specbeam.adapter.worker.TreeGPUWorker"
 #: The scheduler of plugin engines (:mod:`vllm_specbeam.adapter.scheduler`): no prefill chunk ends inside a tree.
 SCHEDULER = "vllm_specbeam.adapter.scheduler.TreePromptScheduler"

@@ -120,10 +120,10 @@ CPU_WORKER = Target(
     "vllm.v1.worker.cpu_worker:CPUWorker",
     "class",
     "cpu",
-    "vllm_specbeam.adapter.worker:TreeCPUWorker",
+    "vllm_specbeam.adapter.cpu_worker:TreeCPUWorker",
     3,
     "patch 1 names the plugin's subclass in `ParallelConfig.worker_cls` (vLLM's extension point); it builds "
-    "the tree runner (`adapter/worker.py`)",
+    "the tree runner (`adapter/cpu_worker.py`, imported on CPU only: vLLM's CPU worker patches `torch.cuda` on import)",
 )
 CPU_WORKER_RUNNER = _runner(
     "cpu",

@@ -92,7 +92,7 @@ class DrafterHost:
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
         raise RuntimeError(
             "vllm-specbeam: the chain proposer path was reached; the engine is not running the plugin's "
-            "worker (vllm_specbeam.adapter.worker), which the speculative-config patch selects"
+            "worker (vllm_specbeam.adapter.worker or .cpu_worker), which the speculative-config patch selects"
         )
 
 

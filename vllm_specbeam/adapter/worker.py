@@ -1,10 +1,15 @@
-"""The plugin's workers: vLLM 0.32's CPU and GPU workers, building the tree runner.
+"""The plugin's GPU worker, and what its CPU worker (:mod:`.cpu_worker`) shares with it.
 
 For a plugin method the speculative-config patch names one of them, by
 platform, in ``ParallelConfig.worker_cls``: vLLM's extension point for the
 worker, resolved by name in every worker process (v1/worker/worker_base.py
 ``WorkerWrapperBase.init_worker``). Engines without a plugin method keep
 vLLM's own workers and runners.
+
+Nothing here may import ``vllm.v1.worker.cpu*``: vLLM 0.32.0's
+``v1/worker/cpu/shm.py`` replaces ``torch.cuda.Stream``, ``torch.accelerator``'s
+memory queries and more, process-wide, on import, and this module is loaded in
+every process of a CUDA engine (patches.check looks its classes up).
 """
 
 from __future__ import annotations
@@ -12,17 +17,15 @@ from __future__ import annotations
 from typing import Any
 
 from typing_extensions import override
-from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_specbeam.adapter import patches
 from vllm_specbeam.adapter.engine_config import V2_RUNNER_PROBLEM
 from vllm_specbeam.adapter.runner import tree_runner_class
 from vllm_specbeam.methods.dsbd.drafter import ForestRequest, draft_forests
 
 
-def _check_v1_runner(worker: Worker) -> None:
+def check_v1_runner(worker: Worker) -> None:
     """The speculative-config patch refuses ``VLLM_USE_V2_MODEL_RUNNER=1``;
     what else selects the V2 runner (vLLM 0.32.0 config/vllm.py
     ``use_v2_model_runner``) is refused here, before a runner is built."""
@@ -33,7 +36,7 @@ def _check_v1_runner(worker: Worker) -> None:
         )
 
 
-class _TreeWorker:
+class TreeWorkerMixin:
     """What both tree workers add to vLLM's: the in-worker draft's warm-up, and methods
     ``LLM.collective_rpc`` calls by name (no pickled function, so no
     ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
@@ -89,27 +92,11 @@ class _TreeWorker:
         self.model_runner.search_draft_runtime.remove(keys)  # type: ignore[attr-defined]
 
 
-class TreeCPUWorker(_TreeWorker, CPUWorker):
-    """vLLM's CPU worker with the tree runner."""
-
-    @override
-    def init_device(self) -> None:
-        # vLLM 0.32.0 v1/worker/cpu_worker.py: ``CPUWorker.init_device`` binds
-        # threads and sets up the distributed environment, then builds
-        # ``CPUModelRunner(...)`` through that module-global name; unlike the
-        # GPU worker it has no method that only builds the runner. Rather than
-        # copy init_device, the name means the tree runner during this one call
-        # (one worker per process, nothing else builds a runner meanwhile).
-        _check_v1_runner(self)
-        with patches.replaced(patches.CPU_WORKER_RUNNER, tree_runner_class):
-            super().init_device()
-
-
-class TreeGPUWorker(_TreeWorker, Worker):
+class TreeGPUWorker(TreeWorkerMixin, Worker):
     """vLLM's GPU worker with the tree runner."""
 
     @override
     def _make_model_runner(self) -> GPUModelRunner:
         # vLLM 0.32.0 v1/worker/gpu_worker.py: the runner factory "subclasses override".
-        _check_v1_runner(self)
+        check_v1_runner(self)
         return tree_runner_class(GPUModelRunner)(self.vllm_config, self.device)
