@@ -45,6 +45,8 @@ from vllm_specbeam.kernels.reference import (
     tree_attention_ref,
 )
 
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 FP16 = dict(atol=2e-3, rtol=2e-3)  # kernel vs fp32 reference, as in test_tree_attention.py
 NUM_KV_HEADS, GROUP, HEAD_SIZE, BLOCK_SIZE = 2, 4, 64, 16
 
@@ -129,7 +131,27 @@ def batch_layout(requests) -> tuple[list[int], list[int], list[int], list[int], 
 
 def make_step(requests) -> gpu_attention.GpuTreeStep:
     query_lens, starts, roots, root_positions, trees = batch_layout(requests)
-    return gpu_attention.GpuTreeStep.build(starts, roots, root_positions, trees, sum(query_lens), torch.device("cpu"))
+    return gpu_attention.GpuTreeStep.build(starts, roots, root_positions, trees, sum(query_lens), torch.device(DEVICE))
+
+
+def random_half(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """fp16 normals on DEVICE, drawn from the CPU ``gen``: the same values on every device."""
+    return torch.randn(*shape, generator=gen, device="cpu").half().to(DEVICE)
+
+
+def random_kv_cache(num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """A random cache in vLLM's default layout LBNHC: [block, slot, head, content] in memory."""
+    return random_half(gen, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE).transpose(1, 2)
+
+
+def unit_scales() -> SimpleNamespace:
+    """The attention layer's q/k/v scales, as the backend reads them."""
+    return SimpleNamespace(**{name: torch.ones(1, device=DEVICE) for name in ("_q_scale", "_k_scale", "_v_scale")})
+
+
+def host_blocks(ids: list[int]) -> torch.Tensor:
+    """A draft request's block row: the runtime keeps it on the host (``block_table.cpu``)."""
+    return torch.tensor(ids, dtype=torch.int32, device="cpu")
 
 
 def make_impl(cls: type) -> triton_attn.TritonAttentionImpl:
@@ -143,45 +165,46 @@ def make_batch(requests, seed: int = 0) -> SimpleNamespace:
     """Queries, a paged cache whose context is random and whose step rows are
     written by the backend's own (vLLM's) ``do_kv_cache_update``, and
     hand-built ``TritonAttentionMetadata``."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # on the CPU: the same values on every device
     query_lens, *_ = batch_layout(requests)
     seq_lens = [ctx + n for (ctx, _, _), n in zip(requests, query_lens)]
     pages = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(pages) + 2
-    perm = torch.randperm(num_blocks, generator=gen)
-    block_table = torch.zeros(len(requests), max(pages) + 1, dtype=torch.int32)
+    perm = torch.randperm(num_blocks, generator=gen, device="cpu")
+    block_table = torch.zeros(len(requests), max(pages) + 1, dtype=torch.int32, device=DEVICE)
     for r, offset in enumerate(np.cumsum([0, *pages[:-1]])):
         block_table[r, : pages[r]] = perm[offset : offset + pages[r]].int()
-    # vLLM's default layout LBNHC: [block, slot, head, content] in memory.
-    kv_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=gen).half().transpose(1, 2)
+    kv_cache = random_kv_cache(num_blocks, gen)
     num_tokens = sum(query_lens)
-    positions = torch.cat([ctx + torch.arange(n) for (ctx, _, _), n in zip(requests, query_lens)])
-    request_of_row = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(query_lens))
+    positions = torch.cat([ctx + torch.arange(n, device=DEVICE) for (ctx, _, _), n in zip(requests, query_lens)])
+    request_of_row = torch.repeat_interleave(
+        torch.arange(len(requests), device=DEVICE), torch.tensor(query_lens, device=DEVICE)
+    )
     slot_mapping = torch.stack([token_slots(block_table[r], p[None], BLOCK_SIZE)[0]
                                 for r, p in zip(request_of_row, positions)])  # fmt: skip
     num_heads = NUM_KV_HEADS * GROUP
     metadata = triton_attn.TritonAttentionMetadata(
         num_actual_tokens=num_tokens,
         max_query_len=max(query_lens),
-        query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32, device=DEVICE),
         max_seq_len=max(seq_lens),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         block_table=block_table,
         slot_mapping=slot_mapping,
         # as TritonAttentionMetadataBuilder sizes them (3D split-KV decode path)
         seq_threshold_3D=triton_attn.MIN_LAUNCH_GRID_SIZE_2D // NUM_KV_HEADS,
         num_par_softmax_segments=triton_attn.NUM_PAR_SOFTMAX_SEGMENTS,
-        softmax_segm_output=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, HEAD_SIZE),
-        softmax_segm_max=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS),
-        softmax_segm_expsum=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS),
+        softmax_segm_output=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, HEAD_SIZE, device=DEVICE),
+        softmax_segm_max=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, device=DEVICE),
+        softmax_segm_expsum=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, device=DEVICE),
         causal=True,
     )
-    layer = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
-    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).half()
-    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).half()
+    layer = unit_scales()
+    key = random_half(gen, num_tokens, NUM_KV_HEADS, HEAD_SIZE)
+    value = random_half(gen, num_tokens, NUM_KV_HEADS, HEAD_SIZE)
     make_impl(gpu_attention.TreeTritonAttentionImpl).do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
     return SimpleNamespace(
-        q=torch.randn(num_tokens, num_heads, HEAD_SIZE, generator=gen).half(),
+        q=random_half(gen, num_tokens, num_heads, HEAD_SIZE),
         key=key, value=value, kv_cache=kv_cache, metadata=metadata, layer=layer, query_lens=query_lens,
     )  # fmt: skip
 
@@ -194,9 +217,9 @@ def forward(impl, batch) -> torch.Tensor:
 
 def reference(batch, requests) -> torch.Tensor:
     key_cache, value_cache = split_kv_cache(batch.kv_cache, HEAD_SIZE)
-    words = build_tree_mask([expected_segment(before, draft) for _, before, draft in requests])
+    words = build_tree_mask([expected_segment(before, draft) for _, before, draft in requests], device=DEVICE)
     m = batch.metadata
-    out = torch.zeros(batch.q.shape, dtype=torch.float32)
+    out = torch.zeros(batch.q.shape, dtype=torch.float32, device=DEVICE)
     return tree_attention_ref(batch.q, key_cache, value_cache, m.block_table, m.query_start_loc, m.seq_lens,
                               words, HEAD_SIZE**-0.5, out)  # fmt: skip
 
@@ -253,7 +276,7 @@ def test_step_mask_equals_reference_mask():
     rows causal gets wrong (elsewhere zero, i.e. causal), one device tensor."""
     step = make_step(REQUESTS)
     query_lens, *_ = batch_layout(REQUESTS)
-    words = build_tree_mask([expected_segment(before, draft) for _, before, draft in REQUESTS])
+    words = build_tree_mask([expected_segment(before, draft) for _, before, draft in REQUESTS], device=DEVICE)
     assert step.tree_mask.dtype == torch.int64 and step.tree_mask.shape == (sum(query_lens), 1)
     start = 0
     for (ctx, before, draft), n in zip(REQUESTS, query_lens):
@@ -262,8 +285,8 @@ def test_step_mask_equals_reference_mask():
         needs_mask = np.zeros(n, dtype=bool)
         if draft is not None:
             needs_mask[before + masked_rows(draft)] = True
-        assert ((ours != 0).any(dim=1).numpy() == needs_mask).all()
-        with_words = torch.from_numpy(needs_mask)
+        assert ((ours != 0).any(dim=1).cpu().numpy() == needs_mask).all()
+        with_words = torch.as_tensor(needs_mask, device=DEVICE)
         assert torch.equal(ours[with_words], ref[with_words])  # the same words where there are words
         start += n
     # Node positions: context + depth, as on CPU.
@@ -276,8 +299,8 @@ def test_step_mask_wide_trees_and_chains():
     star = tree([-1] * 70)  # 71 rows: two words, bit 63 in use
     step = make_step([(9, 0, star), (3, 2, None)])
     assert step.tree_mask.shape == (73, 2)
-    assert torch.equal(step.tree_mask, build_tree_mask([star, 2], num_words=2).masked_fill(
-        torch.arange(73)[:, None] < 2, 0))  # root and first node: causal, zero words  # fmt: skip
+    assert torch.equal(step.tree_mask, build_tree_mask([star, 2], num_words=2, device=DEVICE).masked_fill(
+        torch.arange(73, device=DEVICE)[:, None] < 2, 0))  # root and first node: causal, zero words  # fmt: skip
     assert bool((step.tree_mask[:, 0] < 0).any())
     assert make_step([(5, 0, tree([-1, 0, 1])), (7, 2, None)]).tree_mask is None
     # 150 recomputed rows before a root: 153 bits need 3 words, rounded up to 4
@@ -285,7 +308,7 @@ def test_step_mask_wide_trees_and_chains():
     resumed = (8, 150, tree([-1, -1]))
     mask = make_step([resumed]).tree_mask
     assert mask.shape == (153, 4)
-    expected = build_tree_mask([expected_segment(*resumed[1:])], num_words=4)
+    expected = build_tree_mask([expected_segment(*resumed[1:])], num_words=4, device=DEVICE)
     assert torch.equal(allowed_keys(mask, 8), allowed_keys(expected, 8))
 
 
@@ -294,9 +317,8 @@ def test_runner_moves_accepted_kv_with_the_kernel_on_cuda():
     """``_move_accepted_kv`` on a CUDA runner: rows -> slots through the step's
     slot mapping, one kv_move launch for every layer, moves in order per request."""
     gen = torch.Generator().manual_seed(4)
-    caches = [torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=gen).half().transpose(1, 2)
-              for _ in range(3)]  # fmt: skip
-    slot_mapping = torch.randperm(12 * BLOCK_SIZE, generator=gen)[:40]  # token row -> slot
+    caches = [random_kv_cache(12, gen) for _ in range(3)]
+    slot_mapping = torch.randperm(12 * BLOCK_SIZE, generator=gen, device="cpu")[:40].to(DEVICE)  # token row -> slot
     # Request 0 accepted rows [0, 2, 3] of its tree (root at row 5): row 7 -> 6 reads
     # the slot that row 8 -> 7 then overwrites. Request 1 (root at row 20) moved nothing.
     src_rows = [5 + 1 + np.array([1, 2]), np.array([], dtype=np.int64)]
@@ -420,16 +442,16 @@ def test_layers_without_the_tree_backend_or_with_alibi_are_refused():
 # ------------------------------------------- (d) the in-worker draft model on CUDA
 def cuda_draft_runtime(**attributes) -> draft_model.WorkerDraftRuntime:
     """The engine's draft runtime as the CUDA worker would hold it (no model: the attention-side parts),
-    its tensors on this CPU."""
+    its tensors on DEVICE."""
     runtime = object.__new__(draft_model.WorkerDraftRuntime)
-    runtime.device, runtime.on_cuda, runtime._fed_blocks = torch.device("cpu"), True, {}
+    runtime.device, runtime.on_cuda, runtime._fed_blocks = torch.device(DEVICE), True, {}
     vars(runtime).update(attributes)
     return runtime
 
 
 def feed(context: int, slots: list[int], visible: list[list[int]] | None) -> draft_model._Feed:
     """Rows at ``slots`` of a request whose committed context is ``context`` tokens."""
-    return draft_model._Feed(torch.zeros(8, dtype=torch.int32), [0] * len(slots), slots, slots, slots[-1] + 1,
+    return draft_model._Feed(host_blocks([0] * 8), [0] * len(slots), slots, slots, slots[-1] + 1,
                              visible, context)  # fmt: skip
 
 
@@ -464,30 +486,32 @@ def test_draft_tree_depth_sees_its_context_and_ancestors_through_the_cuda_backen
     gen = torch.Generator().manual_seed(5)
     pages = [-(-f.seq_len // BLOCK_SIZE) for f in feeds]
     num_blocks = sum(pages) + 1
-    perm = torch.randperm(num_blocks, generator=gen)
-    block_table = torch.zeros(len(feeds), max(pages), dtype=torch.int32)
+    perm = torch.randperm(num_blocks, generator=gen, device="cpu")
+    block_table = torch.zeros(len(feeds), max(pages), dtype=torch.int32, device=DEVICE)
     for r, offset in enumerate(np.cumsum([0, *pages[:-1]])):
         block_table[r, : pages[r]] = perm[offset : offset + pages[r]].int()
     # every earlier slot (context, earlier depths) holds K/V already; vLLM's LBNHC layout
-    kv_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=gen).half().transpose(1, 2)
+    kv_cache = random_kv_cache(num_blocks, gen)
     slot_mapping = torch.cat(
-        [token_slots(block_table[r], torch.tensor(f.slots), BLOCK_SIZE) for r, f in enumerate(feeds)]
+        [token_slots(block_table[r], torch.tensor(f.slots, device=DEVICE), BLOCK_SIZE) for r, f in enumerate(feeds)]
     )
     num_tokens, num_heads = sum(counts), NUM_KV_HEADS * GROUP
     metadata = triton_attn.TritonAttentionMetadata(
         num_actual_tokens=num_tokens, max_query_len=max(counts),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32), max_seq_len=max(f.seq_len for f in feeds),
-        seq_lens=torch.tensor([f.seq_len for f in feeds], dtype=torch.int32), block_table=block_table,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        max_seq_len=max(f.seq_len for f in feeds),
+        seq_lens=torch.tensor([f.seq_len for f in feeds], dtype=torch.int32, device=DEVICE), block_table=block_table,
         slot_mapping=slot_mapping, seq_threshold_3D=triton_attn.MIN_LAUNCH_GRID_SIZE_2D // NUM_KV_HEADS,
         num_par_softmax_segments=triton_attn.NUM_PAR_SOFTMAX_SEGMENTS,
-        softmax_segm_output=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, HEAD_SIZE),
-        softmax_segm_max=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS),
-        softmax_segm_expsum=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS), causal=True,
+        softmax_segm_output=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, HEAD_SIZE, device=DEVICE),
+        softmax_segm_max=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, device=DEVICE),
+        softmax_segm_expsum=torch.empty(64, num_heads, triton_attn.NUM_PAR_SOFTMAX_SEGMENTS, device=DEVICE),
+        causal=True,
     )  # fmt: skip
-    layer = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
-    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).half()
-    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen).half()
-    q = torch.randn(num_tokens, num_heads, HEAD_SIZE, generator=gen).half()
+    layer = unit_scales()
+    key = random_half(gen, num_tokens, NUM_KV_HEADS, HEAD_SIZE)
+    value = random_half(gen, num_tokens, NUM_KV_HEADS, HEAD_SIZE)
+    q = random_half(gen, num_tokens, num_heads, HEAD_SIZE)
     impl = make_impl(gpu_attention.TreeTritonAttentionImpl)
     out, stock = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     with tree_step(step):
@@ -498,7 +522,7 @@ def test_draft_tree_depth_sees_its_context_and_ancestors_through_the_cuda_backen
     row = 0
     for r, (_, keys_of_rows) in enumerate(DRAFT_FEEDS):
         for keys in keys_of_rows:
-            slots = token_slots(block_table[r], torch.tensor(keys), BLOCK_SIZE)
+            slots = token_slots(block_table[r], torch.tensor(keys, device=DEVICE), BLOCK_SIZE)
             k = key_cache.flatten(0, 1)[slots].float().repeat_interleave(GROUP, dim=1)  # [keys, heads, D]
             v = value_cache.flatten(0, 1)[slots].float().repeat_interleave(GROUP, dim=1)
             probs = torch.softmax(torch.einsum("hd,khd->hk", q[row].float(), k) * HEAD_SIZE**-0.5, dim=-1)
@@ -514,9 +538,8 @@ def test_draft_moves_accepted_kv_with_the_kernel_on_cuda():
     """An accepted path of last round's draft tree: its nodes' K/V moved to their committed slots
     in every draft layer by one ``kv_move`` launch (the runtime's ``_keep_accepted`` on CUDA)."""
     gen = torch.Generator().manual_seed(6)
-    caches = [torch.randn(4, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=gen).half().transpose(1, 2)
-              for _ in range(2)]  # fmt: skip
-    blocks = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    caches = [random_kv_cache(4, gen) for _ in range(2)]
+    blocks = host_blocks([2, 0, 3, 1])
     runtime = cuda_draft_runtime(_kv_layers=[(None, c) for c in caches],
                                  runner=SimpleNamespace(tree_counts=TreeCounts()))  # fmt: skip
     runtime._moved_caches = lambda: runtime._kv_layers
@@ -526,8 +549,9 @@ def test_draft_moves_accepted_kv_with_the_kernel_on_cuda():
     # the target committed b c x, so b, c move from 16, 17 to 15, 16
     request = draft_model._Request(valid=15, length=15, tokens=[7, 8, 9], parents=[-1, -1, 1], depths=[1, 1, 2])
     expected = [c.clone() for c in caches]
-    src = token_slots(blocks, torch.tensor([16, 17]), BLOCK_SIZE)
-    kv_move_ref(expected, src, token_slots(blocks, torch.tensor([15, 16]), BLOCK_SIZE))
+    on_device = blocks.to(DEVICE)
+    src = token_slots(on_device, torch.tensor([16, 17], device=DEVICE), BLOCK_SIZE)
+    kv_move_ref(expected, src, token_slots(on_device, torch.tensor([15, 16], device=DEVICE), BLOCK_SIZE))
     runtime._keep_accepted(request, blocks, [8, 9, 5])
     for got, want in zip(caches, expected, strict=True):
         assert torch.equal(got, want)
@@ -536,9 +560,10 @@ def test_draft_moves_accepted_kv_with_the_kernel_on_cuda():
 
 def test_search_pool_blocks_keep_the_engine_cache_layout():
     """The beam search's own draft blocks are laid out in memory as vLLM's cache is (here LBNHC)."""
-    engine = torch.zeros(5, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE).transpose(1, 2)  # logical [B, H, N, 2D]
+    # logical [B, H, N, 2D]
+    engine = torch.zeros(5, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, device=DEVICE).transpose(1, 2)
     blocks = draft_model._blocks_like(engine, 9)
     assert blocks.shape == (9, *engine.shape[1:])
     assert blocks.stride() == (BLOCK_SIZE * NUM_KV_HEADS * 2 * HEAD_SIZE, *engine.stride()[1:])
-    contiguous = torch.zeros(5, 3, 4)
-    assert draft_model._blocks_like(contiguous, 2).stride() == torch.zeros(2, 3, 4).stride()
+    contiguous = torch.zeros(5, 3, 4, device=DEVICE)
+    assert draft_model._blocks_like(contiguous, 2).stride() == torch.zeros(2, 3, 4, device=DEVICE).stride()

@@ -45,25 +45,26 @@ def make_layers(num_layers, num_blocks, num_kv_heads, block_size, dtype, layout,
     [block, head, slot, C] in memory). ``BLNHC``: a single allocation with the
     layer dim *inside* the block dim, so per-layer views are strided.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # on the CPU: the same values on every device
     shape = (num_blocks, num_kv_heads, block_size, 2 * HEAD_SIZE)
     if layout == "BLNHC":
-        big = torch.randn(num_blocks, num_layers, block_size, num_kv_heads, 2 * HEAD_SIZE, generator=gen).to(dtype)
-        big = big.to(DEVICE)
+        big_shape = (num_blocks, num_layers, block_size, num_kv_heads, 2 * HEAD_SIZE)
+        big = torch.randn(big_shape, generator=gen, device="cpu").to(dtype).to(DEVICE)
         return [big[:, layer].transpose(1, 2) for layer in range(num_layers)]
     layers = []
     for _ in range(num_layers):
         if layout == "LBNHC":
-            cache = torch.randn(num_blocks, block_size, num_kv_heads, 2 * HEAD_SIZE, generator=gen).transpose(1, 2)
+            cache = torch.randn(num_blocks, block_size, num_kv_heads, 2 * HEAD_SIZE, generator=gen, device="cpu")
+            cache = cache.transpose(1, 2)
         else:
-            cache = torch.randn(*shape, generator=gen)
+            cache = torch.randn(*shape, generator=gen, device="cpu")
         layers.append(cache.to(dtype).to(DEVICE))
     return layers
 
 
 def block_table_for(num_reqs: int, pages_per_req: int, num_blocks: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    pages = torch.randperm(num_blocks, generator=gen)[: num_reqs * pages_per_req]
+    pages = torch.randperm(num_blocks, generator=gen, device="cpu")[: num_reqs * pages_per_req]
     return pages.view(num_reqs, pages_per_req).int().to(DEVICE)
 
 
@@ -150,9 +151,9 @@ def test_input_validation():
     block_table = block_table_for(1, 2, 4)
     with pytest.raises(ValueError):
         accepted_path_moves(block_table, [0], [[0, 3, 2]], 16)  # not a root-to-node path
-    bad = torch.tensor([10, 11], dtype=torch.int64)
+    src, dst, cu = (torch.tensor(slots, device=DEVICE) for slots in ([12, 10], [10, 11], [0, 2]))
     with pytest.raises(ValueError):
-        check_in_place_order(torch.tensor([12, 10]), bad, torch.tensor([0, 2]))  # 10 written, then read
+        check_in_place_order(src, dst, cu)  # 10 written, then read
     a = make_layers(1, 4, 1, 16, torch.float16, "LBNHC")[0]
     b = make_layers(1, 4, 1, 16, torch.float16, "LBHNC")[0]
     with pytest.raises(ValueError):

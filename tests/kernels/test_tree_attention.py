@@ -134,26 +134,26 @@ def make_batch(
     extra_q_rows: int = 0,
 ) -> Batch:
     """``requests``: ``(context_len, segment)``, segments as in build_tree_mask."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # on the CPU: the same values on every device
     query_lens = [segment_rows(seg) for _, seg in requests]
     seq_lens = [ctx + n for (ctx, _), n in zip(requests, query_lens)]
     need = [max(1, -(-s // block_size)) for s in seq_lens]
     num_blocks = sum(need) + 3
     width = max(need) + 2
-    perm = torch.randperm(num_blocks, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen, device="cpu")
     # Unused table entries hold real (wrong) block ids: reading them would show.
-    block_table = torch.randint(0, num_blocks, (len(requests), width), generator=gen, dtype=torch.int32)
+    block_table = torch.randint(0, num_blocks, (len(requests), width), generator=gen, dtype=torch.int32, device="cpu")
     used = 0
     for r, n in enumerate(need):
         block_table[r, :n] = perm[used : used + n].int()
         used += n
     kv_cache = empty_kv_cache(num_blocks, num_kv_heads, block_size, head_size, dtype, layout)
-    kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen).to(dtype))
+    kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen, device="cpu").to(dtype))
     key_cache, value_cache = split_kv_cache(kv_cache, head_size)
     num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens + extra_q_rows, num_kv_heads * group, head_size, generator=gen).to(dtype)
-    tree_mask = build_tree_mask([seg for _, seg in requests], num_words=num_words)
-    tree_mask = torch.cat([tree_mask, torch.zeros(extra_q_rows, tree_mask.shape[1], dtype=torch.int64)])
+    q = torch.randn(num_tokens + extra_q_rows, num_kv_heads * group, head_size, generator=gen, device="cpu").to(dtype)
+    tree_mask = build_tree_mask([seg for _, seg in requests], num_words=num_words, device=DEVICE)
+    padding = torch.zeros(extra_q_rows, tree_mask.shape[1], dtype=torch.int64, device=DEVICE)
     return Batch(
         q=q.to(DEVICE),
         kv_cache=kv_cache,
@@ -162,7 +162,7 @@ def make_batch(
         block_table=block_table.to(DEVICE),
         query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        tree_mask=tree_mask.to(DEVICE),
+        tree_mask=torch.cat([tree_mask, padding]),
         scale=head_size**-0.5,
         max_query_len=max(query_lens),
     )
@@ -245,7 +245,7 @@ def tree_base_batch(dtype: torch.dtype, seed: int) -> tuple[Batch, list[list[lis
     visible = []
     for r, ((context_len, _), base, window) in enumerate(zip(requests, bases, windows)):
         if window is not None:
-            batch.tree_mask[starts[r] : starts[r + 1]] = torch.from_numpy(pack_ancestor_mask(window, 2))
+            batch.tree_mask[starts[r] : starts[r + 1]] = torch.as_tensor(pack_ancestor_mask(window, 2), device=DEVICE)
         rows = []
         for row in range(starts[r + 1] - starts[r]):
             if window is None or not window[row].any():
@@ -295,15 +295,15 @@ def test_tree_rows_read_only_their_ancestors():
     before = batch.run().clone()
     node = 3  # node index 3 = row 4 ("1, 4" branch); visible to row 4 only
     row = node + 1
-    slot = token_slots(batch.block_table[0], torch.tensor([context + row]), 16)
+    slot = token_slots(batch.block_table[0], torch.tensor([context + row], device=DEVICE), 16)
     batch.value_cache[slot // 16, slot % 16] += 5.0
     after = batch.run()
     changed = (after - before).abs().amax(dim=(1, 2)) > 0
-    expected = torch.zeros(len(changed), dtype=torch.bool)
+    expected = torch.zeros(len(changed), dtype=torch.bool, device=DEVICE)
     expected[row] = True  # nobody descends from row 4; the causal request is untouched
     assert changed.tolist() == expected.tolist()
     # and the root (ancestor of all) is seen by every tree row, not by the other request
-    root_slot = token_slots(batch.block_table[0], torch.tensor([context]), 16)
+    root_slot = token_slots(batch.block_table[0], torch.tensor([context], device=DEVICE), 16)
     batch.value_cache[root_slot // 16, root_slot % 16] += 5.0
     changed = (batch.run() - after).abs().amax(dim=(1, 2)) > 0
     assert changed.tolist() == [True] * 7 + [False] * 3
@@ -327,7 +327,7 @@ def test_causal_rows_match_vllm_unified_attention():
             softcap=0, q_descale=None, k_descale=None, v_descale=None,
         )  # fmt: skip
     star = slice(1 + 6 + 9, 1 + 6 + 9 + 7)
-    causal_rows = torch.ones(len(ours), dtype=torch.bool)
+    causal_rows = torch.ones(len(ours), dtype=torch.bool, device=DEVICE)
     causal_rows[star] = False
     assert_close(ours[causal_rows], stock[causal_rows], torch.float16)
     # A star's siblings do not see each other: row 2 onwards must differ from causal.
@@ -363,12 +363,12 @@ def test_layout_matches_vllm_cache_writer(layout):
     batch = make_batch(requests, num_kv_heads=2, group=4, block_size=16, layout=layout, seed=2)
     batch.kv_cache.zero_()
     gen = torch.Generator().manual_seed(9)
-    expected = torch.empty(batch.q.shape, dtype=torch.float32)
+    expected = torch.empty(batch.q.shape, dtype=torch.float32, device=DEVICE)
     starts = batch.query_start_loc.tolist()
     for r, seq_len in enumerate(batch.seq_lens.tolist()):
-        k = torch.randn(seq_len, 2, 64, generator=gen).half()
-        v = torch.randn(seq_len, 2, 64, generator=gen).half()
-        slots = token_slots(batch.block_table[r], torch.arange(seq_len), 16)
+        k = torch.randn(seq_len, 2, 64, generator=gen, device="cpu").half().to(DEVICE)
+        v = torch.randn(seq_len, 2, 64, generator=gen, device="cpu").half().to(DEVICE)
+        slots = token_slots(batch.block_table[r], torch.arange(seq_len, device=DEVICE), 16)
         vllm_reshape_and_cache(k, v, batch.key_cache, batch.value_cache, slots)
         # Dense attention straight from k/v, no cache involved.
         q = batch.q[starts[r] : starts[r + 1]].float()
@@ -389,7 +389,7 @@ def test_padding_rows_and_empty_batches():
     assert bool((out[3:] == 7.0).all()), "rows past query_start_loc[-1] must not be written"
     assert_close(out[:3], batch.reference()[:3], torch.float16)
     none = make_batch([(4, 0), (10, 0)], seed=4)
-    out = torch.full((0, 8, 64), 1.0, dtype=torch.float16)
+    out = torch.full((0, 8, 64), 1.0, dtype=torch.float16, device=DEVICE)
     ta_mod.tree_attention(
         none.q, none.key_cache, none.value_cache, none.block_table, none.query_start_loc,
         none.seq_lens, none.tree_mask, none.scale, out=out,
@@ -407,10 +407,10 @@ def test_tree_base_matches_explicit_key_lists():
     batch, visible = tree_base_batch(torch.float16, seed=22)
     group = batch.q.shape[1] // batch.key_cache.shape[2]
     starts = batch.query_start_loc.tolist()
-    expected = torch.zeros(batch.q.shape, dtype=torch.float32)
+    expected = torch.zeros(batch.q.shape, dtype=torch.float32, device=DEVICE)
     for r, rows in enumerate(visible):
         for row, keys in enumerate(rows):
-            pos = torch.tensor(keys)
+            pos = torch.tensor(keys, device=DEVICE)
             blocks = batch.block_table[r, pos // 16].long()
             k = batch.key_cache[blocks, pos % 16].float().repeat_interleave(group, dim=1)  # [n, heads, D]
             v = batch.value_cache[blocks, pos % 16].float().repeat_interleave(group, dim=1)
@@ -431,20 +431,20 @@ def test_tree_base_none_is_bitwise_the_context_end():
 
 def test_topology_format():
     tree = DraftTree(np.array([5, 6, 7, 8]), np.array([-1, 0, -1, 1]))  # rows 1..4
-    words = build_tree_mask([tree, 3, forest_ancestor_mask([-1, -1, 0])])
+    words = build_tree_mask([tree, 3, forest_ancestor_mask([-1, -1, 0])], device=DEVICE)
     expected_tree = [0b1, 0b11, 0b111, 0b1001, 0b10111]  # row r: itself + ancestors + root
     assert words[:5, 0].tolist() == expected_tree
     assert words[5:8].eq(0).all()  # causal rows
     assert words[8:, 0].tolist() == [0b1, 0b10, 0b101]  # a forest: two roots
     big = np.tril(np.ones((130, 130), dtype=bool))
-    packed = torch.from_numpy(pack_ancestor_mask(big, 3))
-    assert torch.equal(unpack_tree_mask(packed, 130), torch.from_numpy(big))
+    packed = torch.as_tensor(pack_ancestor_mask(big, 3), device=DEVICE)
+    assert torch.equal(unpack_tree_mask(packed, 130), torch.as_tensor(big, device=DEVICE))
     assert packed[63, 0].item() == -1  # all 64 bits set, sign bit included
     with pytest.raises(ValueError):
         build_tree_mask([np.zeros((2, 2), dtype=bool)])  # a tree row must see something
     # reference.py's example: a draft's depth-2 forward, nodes in slots 12, 13
     # (parents in 10 and 11), tree_base 10.
-    depth2 = torch.tensor([[0b101], [0b1010]])
+    depth2 = torch.tensor([[0b101], [0b1010]], device=DEVICE)
     seen = allowed_keys(depth2, context_len=12, tree_base=10)
     assert seen[1].nonzero().flatten().tolist() == [*range(10), 11, 13]
     assert seen[0].nonzero().flatten().tolist() == [*range(10), 10, 12]
