@@ -12,6 +12,7 @@ the kernels on a GPU (see docs/kernels.md, "What ran where").
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -425,6 +426,94 @@ def test_other_backends_and_a_taken_slot_are_refused(monkeypatch, custom_slot):
         SpecbeamConfigError, match=r"CUSTOM attention backend slot already holds other\.package\.Backend"
     ):
         create(monkeypatch, cuda=True, spec={"method": "lookup_tree"})
+
+
+@pytest.fixture
+def cuda_platform(monkeypatch, custom_slot):
+    """vLLM's CUDA platform class, importable on the CPU build: its compiled
+    extension stubbed, the device capability set by the test, the tree
+    backend in the CUSTOM slot (as ``register()`` puts it on CUDA)."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+    from vllm.platforms import cuda
+
+    gpu_attention.register_tree_backend()
+    return cuda.CudaPlatform
+
+
+SELECTOR_CONFIG = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
+                       has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+                       attn_type="decoder")  # fmt: skip
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_vllms_cuda_selector_picks_the_tree_backend(monkeypatch, cuda_platform, capability):
+    """vLLM's own selection (platforms/cuda.py ``get_attn_backend_cls``) of the slot patch 1 names."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setattr(
+        cuda_platform, "get_device_capability", classmethod(lambda cls, device_id=0: DeviceCapability(*capability))
+    )
+    fields = set(AttentionSelectorConfig._fields)
+    config = AttentionSelectorConfig(**{k: v for k, v in SELECTOR_CONFIG.items() if k in fields})
+    path = cuda_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, config)
+    assert path == f"{gpu_attention.__name__}.TreeTritonAttentionBackend"
+    with pytest.raises(ValueError, match="sliding window not supported"):
+        cuda_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, config._replace(has_sliding_window=True))
+
+
+def piecewise_config(tiny_model: str, mode: CUDAGraphMode):
+    """A VllmConfig as vLLM builds it on CUDA with ``mode`` (the CPU platform
+    turns cudagraphs off at construction; they are set back here)."""
+    from vllm.config import CompilationConfig, CompilationMode, ModelConfig, VllmConfig
+
+    config = VllmConfig(model_config=ModelConfig(tiny_model, dtype="bfloat16"), compilation_config=CompilationConfig())
+    config.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    config.compilation_config.cudagraph_mode = mode
+    config.compilation_config.splitting_ops = list(CompilationConfig._attention_ops)  # as vLLM sets them on CUDA
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
+    return config
+
+
+@pytest.mark.parametrize(
+    "requested, resolved",
+    [
+        ("PIECEWISE", "PIECEWISE"),
+        ("NONE", "NONE"),
+        ("FULL_DECODE_ONLY", "PIECEWISE"),
+        ("FULL_AND_PIECEWISE", "PIECEWISE"),
+    ],
+)
+def test_vllm_resolves_cudagraphs_against_the_tree_builder(monkeypatch, tiny_model, requested, resolved):
+    """gpu_model_runner.py ``_check_and_update_cudagraph_mode``: the builder's NEVER keeps
+    PIECEWISE and NONE, downgrades full decode graphs (should a mode get past patch 1), and the
+    builder builds under the resolved mode."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    config = piecewise_config(tiny_model, CUDAGraphMode[requested])
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16
+    )
+    builder_cls = gpu_attention.TreeTritonAttentionBackend.get_builder_cls()
+    support = builder_cls.get_cudagraph_support(config, spec)
+    assert support.name == "NEVER"
+    mode = config.compilation_config.resolve_cudagraph_mode_and_sizes(support, "TreeTritonAttentionBackend", 5)
+    assert mode == CUDAGraphMode[resolved]
+    config.compilation_config.cudagraph_mode = mode
+    builder = builder_cls(spec, [], config, torch.device(DEVICE))
+    assert not builder.decode_cudagraph_enabled  # no full decode graph: the tree rows' shapes vary
+
+
+def test_full_mixed_cudagraphs_are_refused_by_vllm_against_the_tree_builder(tiny_model):
+    config = piecewise_config(tiny_model, CUDAGraphMode.FULL)
+    builder_cls = gpu_attention.TreeTritonAttentionBackend.get_builder_cls()
+    with pytest.raises(ValueError, match="please try cudagraph_mode=PIECEWISE"):
+        config.compilation_config.resolve_cudagraph_mode_and_sizes(
+            builder_cls.get_cudagraph_support(config, None), "TreeTritonAttentionBackend", 5
+        )
 
 
 def test_layers_without_the_tree_backend_or_with_alibi_are_refused():
