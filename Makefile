@@ -6,7 +6,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast lint bench check-vllm-0.33 gpu-check gpu-check-dry-run
+.PHONY: test test-fast lint bench check-vllm-0.33 gpu-check gpu-check-dry-run gpu-kernels gpu-kernels-dry-run
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -67,3 +67,15 @@ gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py
 gpu-check-dry-run: $(VENV)/.installed
 	$(PY) benchmarks/gpu_check.py --cpu-dry-run --venv $(VENV)
+
+# The kernels alone on a CUDA machine with only torch and Triton (no vLLM, no network,
+# nothing installed; under 5 minutes on one H100/H200): tests/kernels' vLLM-free tests
+# compiled for the GPU, tree attention over the paged cache against SDPA with the same
+# mask and against a chain, the KV move against a torch copy; one report in
+# $(GPU_KERNELS_OUT). The dry run: the same on this CPU (Triton interpreter, vLLM hidden;
+# tests/test_gpu_kernels.py runs it in CI).
+GPU_KERNELS_OUT ?= results/gpu-kernels
+gpu-kernels:
+	$(PYTHON) benchmarks/gpu_kernels.py --out $(GPU_KERNELS_OUT)
+gpu-kernels-dry-run: $(VENV)/.installed
+	$(PY) benchmarks/gpu_kernels.py --dry-run --hide-vllm --out $(GPU_KERNELS_OUT)-dry-run

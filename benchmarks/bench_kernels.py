@@ -10,6 +10,10 @@ rough CPU timings only), runs each Triton kernel once under the interpreter on
 a small shape for correctness, and reports the analytic bytes moved per step,
 which is what the GPU cost is expected to follow (see docs/kernels.md).
 
+vLLM is optional: without it the GPU run leaves out the re-write through vLLM's
+cache op (``benchmarks/gpu_kernels.py``, the kernels-only GPU run, imports this
+module on machines with only torch and Triton).
+
     python benchmarks/bench_kernels.py --out /tmp/bench.json          # CPU, small grid
     python benchmarks/bench_kernels.py --full --out bench_gpu.json     # GPU, full grid
 """
@@ -91,8 +95,11 @@ def make_inputs(batch: int, nodes: int, context: int, args, seed: int = 0) -> di
     )
 
 
-def dense_masked_baseline(inp: dict) -> torch.Tensor:
-    """What one would do without a tree kernel: gather, pad, SDPA with a bool mask."""
+def dense_inputs(inp: dict) -> dict:
+    """The dense copy a tree kernel avoids: each request's keys gathered out of the
+    paged cache into contiguous ``[reqs, heads, max_k, dim]`` K/V (the GQA groups
+    expanded), queries padded to ``[reqs, heads, max_q, dim]``, and the boolean
+    ``[reqs, 1, max_q, max_k]`` mask of the same keys the kernel lets each row see."""
     q, key_cache, value_cache = inp["q"], inp["key_cache"], inp["value_cache"]
     starts, seq_lens = inp["query_start_loc"].tolist(), inp["seq_lens"].tolist()
     num_reqs, block_size = len(seq_lens), key_cache.shape[1]
@@ -103,6 +110,7 @@ def dense_masked_baseline(inp: dict) -> torch.Tensor:
     kd = q.new_zeros(num_reqs, kv_heads, max_k, dim)
     vd = q.new_zeros(num_reqs, kv_heads, max_k, dim)
     mask = torch.zeros(num_reqs, 1, max_q, max_k, dtype=torch.bool, device=q.device)
+    tree_mask = inp["tree_mask"]
     for r, seq_len in enumerate(seq_lens):
         rows = slice(starts[r], starts[r + 1])
         n = starts[r + 1] - starts[r]
@@ -110,14 +118,31 @@ def dense_masked_baseline(inp: dict) -> torch.Tensor:
         qd[r, :, :n] = q[rows].transpose(0, 1)
         kd[r, :, :seq_len] = gather_paged(key_cache, slots).transpose(0, 1)
         vd[r, :, :seq_len] = gather_paged(value_cache, slots).transpose(0, 1)
-        mask[r, 0, :n, :seq_len] = allowed_keys(inp["tree_mask"][rows], seq_len - n)
+        words = tree_mask[rows] if tree_mask is not None else torch.zeros(n, 1, dtype=torch.int64, device=q.device)
+        mask[r, 0, :n, :seq_len] = allowed_keys(words, seq_len - n)
     mask[:, :, :, 0] |= ~mask.any(-1)  # padded query rows: avoid all -inf rows
     group = heads // kv_heads
-    kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
-    if not q.is_cuda:  # CPU SDPA: fp32 for accuracy
-        qd, kd, vd = qd.float(), kd.float(), vd.float()
-    out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=inp["softmax_scale"])
-    return torch.cat([out[r, :, : starts[r + 1] - starts[r]].transpose(0, 1) for r in range(num_reqs)]).to(q.dtype)
+    return dict(q=qd, k=kd.repeat_interleave(group, 1), v=vd.repeat_interleave(group, 1), mask=mask, starts=starts)
+
+
+def dense_attention(dense: dict, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """SDPA with the boolean mask over :func:`dense_inputs`, unpadded back to
+    ``[num_tokens, heads, dim]``; computed in ``dtype`` (default: the inputs'; fp32
+    on CPU, for accuracy) and returned in the inputs' dtype."""
+    qd, kd, vd = dense["q"], dense["k"], dense["v"]
+    out_dtype = qd.dtype
+    dtype = dtype or (out_dtype if qd.is_cuda else torch.float32)
+    qd, kd, vd = qd.to(dtype), kd.to(dtype), vd.to(dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=dense["mask"], scale=scale)
+    starts = dense["starts"]
+    return torch.cat([out[r, :, : starts[r + 1] - starts[r]].transpose(0, 1) for r in range(len(starts) - 1)]).to(
+        out_dtype
+    )
+
+
+def dense_masked_baseline(inp: dict) -> torch.Tensor:
+    """What one would do without a tree kernel: gather, pad, SDPA with a bool mask."""
+    return dense_attention(dense_inputs(inp), inp["softmax_scale"])
 
 
 def timed(fn, iters: int) -> tuple[float, object]:
@@ -170,23 +195,42 @@ def bench_attention(args, results: dict) -> None:
         print(json.dumps(entry), flush=True)
 
 
-def bench_kv_move(args, results: dict) -> None:
-    """Fused all-layer move vs gather + vLLM's reshape_and_cache per layer."""
+def kv_move_case(batch: int, args, rng: np.random.Generator, context: int = 1000, rows: int = 64) -> dict:
+    """One step's accepted-path move: ``args.num_layers`` paged caches, each of ``batch``
+    requests verified ``rows`` rows after ``context`` tokens and accepted a root-to-node
+    path of 6 of them. Returns the layers, the moves and their analytic cost."""
+    block_size = args.block_size
+    pages = math.ceil((context + rows + 1) / block_size)
     dtype = getattr(torch, args.dtype)
+    layers = [
+        torch.randn(
+            batch * pages, block_size, args.num_kv_heads, 2 * args.head_size, dtype=dtype, device=DEVICE
+        ).transpose(1, 2)
+        for _ in range(args.num_layers)
+    ]
+    block_table = torch.arange(batch * pages, dtype=torch.int32, device=DEVICE).view(batch, pages)
+    accepted = [[0, *sorted(rng.choice(np.arange(1, rows + 1), size=5, replace=False).tolist())] for _ in range(batch)]
+    src, dst, cu = accepted_path_moves(block_table, [context] * batch, accepted, block_size)
+    moved = src.numel() * args.num_kv_heads * 2 * args.head_size * layers[0].element_size() * args.num_layers
+    return {"layers": layers, "src": src, "dst": dst, "cu": cu, "bytes_moved": moved}
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def bench_kv_move(args, results: dict) -> None:
+    """Fused all-layer move vs gather + vLLM's reshape_and_cache per layer (when vLLM
+    is installed)."""
     rng = np.random.default_rng(1)
+    with_vllm = GPU and vllm_available()
     for batch in args.batch:
-        block_size, context = args.block_size, 1000
-        pages = math.ceil((context + 65) / block_size)
-        layers = [
-            torch.randn(
-                batch * pages, block_size, args.num_kv_heads, 2 * args.head_size, dtype=dtype, device=DEVICE
-            ).transpose(1, 2)
-            for _ in range(args.num_layers)
-        ]
-        block_table = torch.arange(batch * pages, dtype=torch.int32, device=DEVICE).view(batch, pages)
-        accepted = [[0, *sorted(rng.choice(np.arange(1, 65), size=5, replace=False).tolist())] for _ in range(batch)]
-        src, dst, cu = accepted_path_moves(block_table, [context] * batch, accepted, block_size)
-        moved = src.numel() * args.num_kv_heads * 2 * args.head_size * layers[0].element_size() * args.num_layers
+        case = kv_move_case(batch, args, rng)
+        layers, src, dst, cu, moved = case["layers"], case["src"], case["dst"], case["cu"], case["bytes_moved"]
         entry = {
             "batch": batch,
             "layers": args.num_layers,
@@ -205,7 +249,9 @@ def bench_kv_move(args, results: dict) -> None:
                     key, value = gather_paged(key_cache, src), gather_paged(value_cache, src)
                     vllm_reshape_and_cache(key, value, key_cache, value_cache, dst)
 
-            entry["rewrite_via_cache_op_ms"], _ = timed(rewrite, args.iters)
+            if with_vllm:
+                entry["rewrite_via_cache_op_ms"], _ = timed(rewrite, args.iters)
+            entry["torch_index_copy_ms"], _ = timed(lambda: kv_move_ref(layers, src, dst), args.iters)
         else:
             entry["torch_reference_ms"], _ = timed(lambda: kv_move_ref(layers, src, dst), args.iters)
         results["kv_move"].append(entry)
