@@ -11,12 +11,12 @@ acceptances and rejections, and every later draft must still be right
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import KV_CACHE_BYTES, runner_stats, tree_path
+from conftest import KV_CACHE_BYTES, greedy, runner_stats, token_ids, tree_path
 from specs import LOOKUP, MCSD
 
 #: float32, the CPU attention kernel against transformers' SDPA (docs/draft-runtime.md Q2: up to 2e-4)
@@ -172,6 +172,72 @@ def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wid
     without = engines.get(LOOKUP)  # a method without a draft model: the target's K/V alone
     assert without.collective_rpc(_num_blocks)[0] == KV_CACHE_BYTES // _page_bytes(tiny_model)
     assert with_draft == KV_CACHE_BYTES // (_page_bytes(tiny_model) + _page_bytes(wide_draft))
+
+
+#: a step's tokens, the most vLLM compiles a forward for: below each prompt's length here
+BATCH_TOKENS = 64
+
+
+def _log_forwards(worker) -> None:
+    """Log the rows of every forward of the engine's draft (``forward_rows``), and per ``sync_many``
+    call the requests it answered and its forwards' rows (``syncs``)."""
+    runtime = worker.model_runner.draft_runtime
+    runtime.forward_rows, runtime.syncs, sync_many = [], [], runtime.sync_many
+    runtime.model.register_forward_pre_hook(
+        lambda _, args, kwargs: runtime.forward_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+
+    def logged(requests):
+        first = len(runtime.forward_rows)
+        results = sync_many(requests)
+        runtime.syncs.append((sum(r is not None for r in results), runtime.forward_rows[first:]))
+        return results
+
+    runtime.sync_many = logged
+
+
+def _forwards(worker) -> dict:
+    runtime = worker.model_runner.draft_runtime
+    return {"rows": runtime.forward_rows, "syncs": runtime.syncs}
+
+
+def _defer_until_decoding(worker, batch: int) -> None:
+    """The lookup leaves the draft nothing (every request defers, its prompt unfed) until ``batch``
+    requests decode together: their first sync catches the draft up on all their prompts at once."""
+    lookup = worker.model_runner.tree_drafter.lookup
+    split, opened = lookup.split, [False]
+
+    def gated(requests, fills):
+        opened[0] = opened[0] or len(requests) == batch
+        splits = split(requests, fills)
+        return splits if opened[0] else [replace(s, fill_nodes=0) for s in splits]
+
+    lookup.split = gated
+
+
+def test_a_catch_up_on_long_prompts_runs_in_forwards_within_max_num_batched_tokens(
+    engines, wide_draft: str, prompts, reference
+) -> None:
+    """Issue #56: a drafter with lookup branches feeds its draft at its syncs only, so a sync can
+    catch up on whole prompts: here of 200 to 300 tokens, several in one call. Its rows run in
+    forwards of at most ``max_num_batched_tokens``, the shapes vLLM compiled the draft for, each
+    prompt cut across forwards that also hold the others'; every sync's logits equal transformers'."""
+    spec = {**MCSD, "model": wide_draft, "lookup": "global"}
+    llm = engines.get(spec, max_num_batched_tokens=BATCH_TOKENS)
+    prompts, reference = prompts[7:], reference[7:]  # 200, 260 and 300 words
+    llm.collective_rpc(_log_forwards)
+    llm.collective_rpc(_record)
+    llm.collective_rpc(_defer_until_decoding, args=(len(prompts),))
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+    forwards = llm.collective_rpc(_forwards)[0]
+    assert max(forwards["rows"]) == BATCH_TOKENS, forwards["rows"]
+    # every prompt caught up in a sync of several forwards, one such sync for several prompts
+    caught_up = [requests for requests, rows in forwards["syncs"] if len(rows) > 1]
+    assert sum(caught_up) == len(prompts) and max(caught_up) > 1, forwards["syncs"]
+    result = llm.collective_rpc(_check, args=(wide_draft,))[0]
+    assert result["counts"]["sync"] > len(prompts), result
+    assert result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL, result["worst"]
+    engines.stop(spec, max_num_batched_tokens=BATCH_TOKENS)  # this test's own engine, logging every draft call
 
 
 def _search_pool(worker) -> dict:

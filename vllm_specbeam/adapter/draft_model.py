@@ -19,8 +19,8 @@ Design and the facts it rests on (vLLM 0.32.0): docs/draft-runtime.md. In short:
   :meth:`WorkerDraftRuntime.sync_step` feeds after each step what the draft lacks (for
   reuse by later hits), except requests that ran no draft forward (:meth:`~WorkerDraftRuntime.defer`)
   and every request of a drafter with lookup branches: their next sync feeds them.
-
-Logits come back to the host after each forward (the drafters sample on the host).
+- **Forwards fit the compiled shapes.** A call's rows run in forwards of at most
+  ``max_num_batched_tokens`` (:func:`_split`); logits reach the host once a call.
 """
 
 from __future__ import annotations
@@ -153,12 +153,56 @@ class _Feed:
     #: with a draft vocabulary: the request's own tokens its rows are scored on as well
     own_tokens: np.ndarray | None = None
 
+    def part(self, start: int, end: int) -> _Feed:
+        """Its rows ``[start, end)`` for a forward of their own: they read the K/V of the rows
+        before them from the cache, where an earlier forward wrote it."""
+        slots = self.slots[start:end]
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens[start:end],
+            positions=self.positions[start:end],
+            slots=slots,
+            seq_len=max(slots) + 1,
+            visible=None if self.visible is None else self.visible[start:end],
+        )
+
     def window(self) -> np.ndarray:
         """``[rows, seq_len - context]``: which slots from the committed context on each tree row sees."""
         visible = np.zeros((len(self.tokens), self.seq_len - self.context), dtype=bool)
         for i, slots in enumerate(self.visible or ()):
             visible[i, np.asarray(slots) - self.context] = True
         return visible
+
+
+@dataclasses.dataclass
+class _Forward:
+    """The rows one draft forward computes: parts of feeds (:meth:`_Feed.part`), in order."""
+
+    feeds: list[_Feed] = dataclasses.field(default_factory=list)
+    rows: int = 0
+    #: the forward's rows that end a whole feed (the rows ``last_only`` answers)
+    last_rows: list[int] = dataclasses.field(default_factory=list)
+
+
+def _split(feeds: list[_Feed], max_rows: int) -> list[_Forward]:
+    """``feeds``' rows in forwards of at most ``max_rows``, filled in order; a feed is cut where
+    a forward is full, so its later rows run in the next forward, after its earlier rows' K/V
+    are written. Example: feeds of 700, 300 and 100 rows, ``max_rows`` 512: forwards of
+    ``[512 of the first]``, ``[188 of the first, 300, 24 of the third]``, ``[76 of the third]``.
+    Everything fitting (most steps): one forward of the feeds themselves."""
+    forwards = [_Forward()]
+    for feed in feeds:
+        start = 0
+        while start < len(feed.tokens):
+            if forwards[-1].rows == max_rows:
+                forwards.append(_Forward())
+            forward = forwards[-1]
+            end = min(len(feed.tokens), start + max_rows - forward.rows)
+            forward.feeds.append(feed if end - start == len(feed.tokens) else feed.part(start, end))
+            forward.rows += end - start
+            start = end
+        forwards[-1].last_rows.append(forwards[-1].rows - 1)
+    return forwards
 
 
 class WorkerDraftRuntime:
@@ -203,6 +247,9 @@ class WorkerDraftRuntime:
                 f"forward context; the in-worker draft needs a decoder with vLLM's Attention layers"
             )
         self.device: torch.device = runner.device
+        #: rows per draft forward: vLLM compiles the draft for at most the target's batch of tokens
+        #: (its piecewise backend asserts past it) and profiles the memory of no larger activation
+        self.max_rows = config.scheduler_config.max_num_batched_tokens
         #: the plugin's CUDA tree backend and kernels serve the draft's layers (else the CPU tree attention)
         self.on_cuda = self.device.type != "cpu"
         check_tree_attention([layers[name].impl for name in self.layers], self.device)
@@ -466,15 +513,36 @@ class WorkerDraftRuntime:
 
     @torch.inference_mode()
     def _forward(self, feeds: list[_Feed], last_only: bool | None) -> list[torch.Tensor]:
-        """One draft forward over all feeds: logits at each feed's rows, its last row
-        only with ``last_only``, none with ``None`` (the K/V writes are the point)."""
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
+        """Draft forwards over all feeds, of at most ``max_rows`` rows each (:func:`_split`):
+        logits at each feed's rows, its last row only with ``last_only``, none with ``None``
+        (the K/V writes are the point)."""
         if not feeds:
             return []
         if self._group is None:
             raise RuntimeError("WorkerDraftRuntime.bind must run after the runner's initialize_kv_cache")
+        answered: list[torch.Tensor] = []  # per forward: [rows the call answers, hidden]
+        for forward in _split(feeds, self.max_rows):
+            hidden = self._run(forward.feeds)  # [forward.rows, hidden]
+            if last_only:
+                ends = torch.tensor(forward.last_rows, dtype=torch.int64, device=self.device)  # [feeds it ends]
+                hidden = hidden[ends]  # [feeds it ends, hidden]
+            if last_only is not None:
+                answered.append(hidden)
+        if last_only is None:
+            return []
+        hidden = answered[0] if len(answered) == 1 else torch.cat(answered)  # [sum(counts), hidden]
+        counts = [1 if last_only else len(f.tokens) for f in feeds]
+        if self._head is not None:
+            logits = self._head.logits(hidden, [f.own_tokens for f in feeds], counts)
+        else:
+            logits = self._vocab_logits(self.model.compute_logits(hidden))
+        return list(logits.cpu().split(counts))  # host sync off CPU: the drafters sample on the host
+
+    def _run(self, feeds: list[_Feed]) -> torch.Tensor:
+        """One draft forward over the feeds' rows, writing their K/V: the hidden states ``[T, hidden]``."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
         self.runner.tree_counts.draft_forwards += 1
         for feed in feeds:
             self._written(feed.blocks, feed.slots)
@@ -511,17 +579,7 @@ class WorkerDraftRuntime:
                 slot_mapping={name: slots for name in self.layers},
             ),
         ):
-            hidden = self.model(input_ids=tokens, positions=positions)  # [T, hidden]
-        if last_only is None:
-            return []
-        if last_only:
-            hidden = hidden[torch.from_numpy(starts[1:] - 1).to(device)]  # [R, hidden]
-            counts = [1] * len(feeds)
-        if self._head is not None:
-            logits = self._head.logits(hidden, [f.own_tokens for f in feeds], counts)
-        else:
-            logits = self._vocab_logits(self.model.compute_logits(hidden))
-        return list(logits.cpu().split(counts))  # host sync off CPU: the drafters sample on the host
+            return self.model(input_ids=tokens, positions=positions)  # [T, hidden]
 
     def _tree_step(self, feeds: list[_Feed], starts: np.ndarray) -> ActiveTreeStep | None:
         """The ancestor-only mask for tree rows: each sees the committed context and its visible slots."""
