@@ -8,13 +8,14 @@ import pytest
 from vllm_specbeam.core.config import SpecbeamConfigError, parse
 
 
-def engine_config(model: str, spec: dict):
+def engine_config(model: str, spec: dict, **engine: object):
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_specbeam.adapter.plugin import register
 
     register()  # what vLLM's plugin loader does in every process
-    return EngineArgs(model=model, dtype="float32", max_model_len=256, speculative_config=spec).create_engine_config()
+    args = EngineArgs(model=model, dtype="float32", max_model_len=256, speculative_config=spec, **engine)
+    return args.create_engine_config()
 
 
 @pytest.mark.parametrize(
@@ -53,6 +54,10 @@ def engine_config(model: str, spec: dict):
             r"option 'verify' must be one of \['joint', 'block'\], got 'exact'",
         ),
         ({"method": "aded", "trigram": "/nonexistent/matrix"}, r"aded: .*nonexistent"),
+        (
+            {"method": "lookup_tree", "scope": "global", "index_isolation": "tenant"},
+            r"option 'index_isolation' must be one of \['salt', 'none'\], got 'tenant'",
+        ),
     ],
 )
 def test_startup_errors_name_problem_and_fix(tiny_model, spec, message):
@@ -100,6 +105,21 @@ def test_draft_vocabulary_problems(tiny_model, tiny_draft, tmp_path):
     assert config.additional_config["specbeam"]["options"]["draft_vocab"] == str(tmp_path / "ours")
     with pytest.raises(SpecbeamConfigError, match="'draft_vocab' is engine-wide and cannot be set per request"):
         parse({"method": "mcsd", "model": tiny_draft}).with_overrides({"draft_vocab": "x"})
+
+
+def test_a_salted_index_needs_the_plugins_scheduler(tiny_model):
+    """Only the plugin's scheduler hands each request's cache_salt to the workers: with another one,
+    an index kept apart by salt is refused (every request would read the unsalted partition)."""
+    spec = {"method": "lookup_tree", "scope": "global"}
+    with pytest.raises(
+        SpecbeamConfigError,
+        match=r"scheduler_cls=my\.Scheduler was set: remove --scheduler-cls .* \"index_isolation\": \"none\"",
+    ):
+        engine_config(tiny_model, spec, scheduler_cls="my.Scheduler")
+    for shared in ({**spec, "index_isolation": "none"}, {"method": "lookup_tree"}):  # no salt to carry
+        assert engine_config(tiny_model, shared, scheduler_cls="my.Scheduler").scheduler_config.scheduler_cls
+    with pytest.raises(SpecbeamConfigError, match="'index_isolation' is engine-wide and cannot be set per request"):
+        parse(spec).with_overrides({"index_isolation": "none"})
 
 
 def test_unknown_method_lists_vllm_and_plugin_methods(tiny_model):

@@ -425,9 +425,20 @@ def test_a_bad_lookup_is_refused_at_start_up(config: dict, message: str) -> None
 def test_forgetting_finished_requests_empties_the_global_lookup_index() -> None:
     d = McsdDrafter(options(lookup="global"))
     d.finished([DraftRequest("a", np.arange(40), d.options)])
-    assert d.learns_across_requests and d.lookup.drafter.index.num_sequences == 1
+    assert d.learns_across_requests and d.lookup.drafter.index.num_tokens == 40
     d.forget_finished()  # what the benchmarks do before every timed run
-    assert d.lookup.drafter.index.num_sequences == 0
+    assert d.lookup.drafter.index.num_tokens == 0
+
+
+def test_the_global_lookup_indexes_each_salt_apart_unless_told_not_to() -> None:
+    """A finished request's text goes into its cache_salt's partition (``"index_isolation": "salt"``,
+    the default), or into the one shared partition (``"none"``)."""
+    for isolation, key in (("salt", "tenant-a"), ("none", None)):
+        d = McsdDrafter(options(lookup="global", index_isolation=isolation))
+        assert McsdDrafter.salted_index(d.options) == (isolation == "salt")
+        d.finished([DraftRequest("a", np.arange(40), d.options, cache_salt="tenant-a")])
+        assert d.lookup.drafter.index.partition(key).num_tokens == 40
+        assert d.index_stats["index_partitions"] == 1
 
 
 def test_lookup_is_global_by_default_and_engine_wide() -> None:

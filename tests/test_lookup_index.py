@@ -1,7 +1,9 @@
-"""``lookup_tree``'s cross-request index (``"scope": "global"``): insertion, matching, eviction, drafts.
+"""``lookup_tree``'s cross-request index (``"scope": "global"``): insertion, matching, partitions by
+``cache_salt``, eviction, drafts.
 
 Matching is checked against a brute-force search on small random sequences;
-the engine tests draft one request from another's output inside vLLM.
+the engine tests draft one request from another's output inside vLLM (isolation
+between salts inside vLLM: test_index_isolation.py).
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.lookup import match_ends, match_kind
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
-from vllm_specbeam.methods.lookup_tree.index import SEPARATOR, SuffixIndex
+from vllm_specbeam.methods.lookup_tree.index import REPORTED_PARTITIONS, SEPARATOR, IndexStats, SuffixIndex
 
 
 def test_sequences_sit_end_to_end_with_separators() -> None:
     """The module docstring's example."""
     index = SuffixIndex(100)
-    index.add(np.asarray([5, 6, 7]))
-    index.add(np.asarray([8, 6, 9]))
-    assert index.corpus.tolist() == [5, 6, 7, SEPARATOR, 8, 6, 9, SEPARATOR]
-    found = match_ends(index.corpus, np.asarray([1, 6]), 1, 3)
+    index.add(None, np.asarray([5, 6, 7]))
+    index.add(None, np.asarray([8, 6, 9]))
+    unsalted = index.partition(None)
+    assert unsalted.corpus.tolist() == [5, 6, 7, SEPARATOR, 8, 6, 9, SEPARATOR]
+    found = match_ends(unsalted.corpus, np.asarray([1, 6]), 1, 3)
     assert found.ends.tolist() == [5, 1] and found.length == 1
-    assert [index.continuation(end, 4).tolist() for end in found.ends] == [[9], [7]]
+    assert [unsalted.continuation(end, 4).tolist() for end in found.ends] == [[9], [7]]
 
 
 def brute_force(corpus: list[int], query: list[int], low: int, high: int) -> tuple[list[int], int]:
@@ -44,25 +47,99 @@ def test_matching_equals_brute_force(seed: int) -> None:
     rng = np.random.default_rng(seed)
     index = SuffixIndex(200)
     for _ in range(rng.integers(1, 6)):
-        index.add(rng.integers(0, 4, rng.integers(1, 30)))
+        index.add("s", rng.integers(0, 4, rng.integers(1, 30)))
+    partition = index.partition("s")
     query = rng.integers(0, 4, rng.integers(1, 8))
     low, high = int(rng.integers(1, 3)), int(rng.integers(3, 6))
-    found = match_ends(index.corpus, query, low, high)
-    ends, length = brute_force(index.corpus.tolist(), query.tolist(), low, high)
+    found = match_ends(partition.corpus, query, low, high)
+    ends, length = brute_force(partition.corpus.tolist(), query.tolist(), low, high)
     assert found.ends.tolist() == ends and found.length == length
     for end in found.ends:  # a continuation never crosses into the next request
-        assert SEPARATOR not in index.continuation(int(end), 50).tolist()
+        assert SEPARATOR not in partition.continuation(int(end), 50).tolist()
 
 
 def test_oldest_sequences_are_evicted_past_the_cap() -> None:
+    """One partition (no salts, or one for all): first in, first out, as before salts."""
     index = SuffixIndex(10)
     for first in (10, 20, 30):
-        index.add(np.arange(first, first + 4))
-    assert index.num_tokens == 8 and index.num_sequences == 2  # 12 tokens: the first sequence went
-    assert match_ends(index.corpus, np.asarray([11]), 1, 1).length == 0
-    assert match_ends(index.corpus, np.asarray([21]), 1, 1).length == 1
-    index.add(np.arange(100, 125))  # longer than the cap: its last 10 tokens
-    assert index.num_tokens == 10 and index.corpus.tolist() == [*range(115, 125), SEPARATOR]
+        index.add(None, np.arange(first, first + 4))
+    unsalted = index.partition(None)
+    assert index.num_tokens == 8 and unsalted.num_sequences == 2  # 12 tokens: the first sequence went
+    assert match_ends(unsalted.corpus, np.asarray([11]), 1, 1).length == 0
+    assert match_ends(unsalted.corpus, np.asarray([21]), 1, 1).length == 1
+    index.add(None, np.arange(100, 125))  # longer than the cap: its last 10 tokens
+    assert index.num_tokens == 10 and unsalted.corpus.tolist() == [*range(115, 125), SEPARATOR]
+    assert index.stats() == IndexStats(1, [10], 3)
+
+
+def test_each_salt_reads_its_own_partition() -> None:
+    """Sequences land in their salt's partition; the unsalted one is a partition like the others."""
+    index = SuffixIndex(100)
+    index.add("a", np.asarray([1, 2, 3]))
+    index.add(None, np.asarray([4, 5]))
+    index.add("b", np.asarray([6, 7]))
+    index.add("a", np.asarray([8]))
+    assert index.partition("a").corpus.tolist() == [1, 2, 3, SEPARATOR, 8, SEPARATOR]
+    assert index.partition("b").corpus.tolist() == [6, 7, SEPARATOR]
+    assert index.partition(None).corpus.tolist() == [4, 5, SEPARATOR]
+    assert index.partition("c") is None
+    assert index.nbytes == 8 * (8 + 4)  # a token and a separator each, all partitions
+    assert index.stats() == IndexStats(3, [4, 2, 2], 0)
+
+
+def test_the_largest_partition_evicts_first_and_the_newest_sequence_stays() -> None:
+    """Cap 12, several salts: "a" floods with 4-token sequences beside "b" (3 tokens) and "c" (2);
+    only "a"'s oldest go, down to one sequence. A sequence that makes its own partition the
+    largest stays, the next largest ones pay. Ties go to the partition created first."""
+    index = SuffixIndex(12)
+    index.add("b", np.arange(100, 103))
+    index.add("c", np.arange(200, 202))
+    for first in range(0, 40, 4):
+        index.add("a", np.arange(first, first + 4))
+        assert index.num_tokens == sum(index.stats().largest_partition_tokens) <= 12
+    assert index.partition("a").corpus.tolist() == [36, 37, 38, 39, SEPARATOR]
+    assert index.stats() == IndexStats(3, [4, 3, 2], 9)
+    index.add("d", np.arange(300, 310))  # 19 tokens: "a" (4), then "b" (3) go; "d"'s one sequence stays
+    assert index.partition("a") is None and index.partition("b") is None
+    assert index.partition("d").corpus.tolist() == [*range(300, 310), SEPARATOR]
+    assert index.stats() == IndexStats(2, [10, 2], 11)
+
+    tie = SuffixIndex(6)
+    for salt, tokens in (("x", [1, 2, 3]), ("y", [4, 5, 6]), ("z", [7])):
+        tie.add(salt, np.asarray(tokens))
+    assert tie.partition("x") is None and tie.num_tokens == 4
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_mixed_load_of_salts_stays_within_the_cap(seed: int) -> None:
+    """Random sequences under five salts and none: the total never passes the cap; whenever an
+    add evicts, no partition that kept all its text was larger than one that lost some (sizes
+    counted with the new sequence): the largest pay first; and no other partition within an equal
+    share of what the new sequence leaves lost any (the module docstring's guarantee)."""
+    rng = np.random.default_rng(seed)
+    index = SuffixIndex(100)
+    salts = [None, "a", "b", "c", "d", "e"]
+
+    def sizes() -> dict[str | None, int]:
+        return {salt: p.num_tokens for salt in salts if (p := index.partition(salt)) is not None}
+
+    for _ in range(300):
+        salt, length = salts[rng.integers(0, len(salts))], int(rng.integers(1, 40))
+        grown = sizes()
+        if salt in grown:
+            grown[salt] += length
+        index.add(salt, rng.integers(0, 50, length))
+        now = sizes()
+        assert index.num_tokens == sum(now.values()) <= 100
+        lost = [s for s in grown if now.get(s, 0) < grown[s]]
+        kept = [s for s in grown if s not in lost]
+        if lost and kept:
+            assert max(grown[s] for s in kept) <= min(grown[s] for s in lost), (grown, now)
+        share = (100 - length) / len({*grown, salt})
+        assert not [s for s in lost if s != salt and grown[s] <= share], (grown, now, share)
+    stats = index.stats()
+    assert stats.evicted_sequences > 0 and stats.partitions > 1
+    assert len(stats.largest_partition_tokens) == min(stats.partitions, REPORTED_PARTITIONS)
 
 
 def options(**overrides) -> dict:
@@ -84,6 +161,54 @@ def test_the_longer_match_drafts_and_opted_out_requests_are_not_indexed() -> Non
     drafter.forget_finished()  # a newly started engine's index: the request's own history again
     assert drafter.propose([request])[0].tokens.tolist() == [8, 0, 1, 2]
     assert drafter.state_bytes == SuffixIndex(1).nbytes
+
+
+def test_a_salt_drafts_only_from_finished_requests_with_the_same_salt() -> None:
+    """Request A (salt "a") and an unsalted one finish; B's identical text drafts from A's only under
+    salt "a" (its nodes marked ``from_index``), never under "b" or no salt; the unsalted requests
+    share theirs. ``"index_isolation": "none"``: one index for all, as before salts."""
+    text = np.asarray([1, 2, 3, 4, 5, 6, 7])
+    query = np.asarray([9, 1, 2, 3])
+    salted = LookupTreeDrafter(options(scope="global"))
+    assert salted.salted_index(salted.options)
+    salted.finished([DraftRequest("a", text, options(), cache_salt="a")])
+    salted.finished([DraftRequest("u", text + 10, options())])
+
+    def draft(drafter: LookupTreeDrafter, tokens: np.ndarray, salt: str | None):
+        return drafter.propose([DraftRequest("b", tokens, options(), cache_salt=salt)])[0]
+
+    same = draft(salted, query, "a")
+    assert same.tokens.tolist() == [4, 5, 6, 7] and same.from_index.tolist() == [True] * 4
+    for salt in ("b", None):
+        assert draft(salted, query, salt).num_nodes == 0
+    assert draft(salted, query + 10, None).tokens.tolist() == [14, 15, 16, 17]  # the unsalted partition
+    assert draft(salted, query + 10, "a").num_nodes == 0
+    own = draft(salted, np.asarray([1, 2, 8, 0, 1, 2]), "b")  # the request's own text: not from the index
+    assert own.tokens.tolist() == [8, 0, 1, 2] and own.from_index is None
+    assert salted.index_stats == {
+        "index_partitions": 2,
+        "index_largest_partition_tokens": [7, 7],
+        "index_evicted_sequences": 0,
+    }
+
+    shared = LookupTreeDrafter(options(scope="global", index_isolation="none"))
+    assert not shared.salted_index(shared.options)
+    shared.finished([DraftRequest("a", text, options(), cache_salt="a")])
+    assert draft(shared, query, "b").tokens.tolist() == [4, 5, 6, 7]
+    assert draft(shared, query, None).from_index.tolist() == [True] * 4
+
+
+def test_nodes_from_the_index_are_marked_through_a_merged_tree() -> None:
+    """Own and index continuations merge into one trie; ``from_index`` marks the nodes an index
+    path walks through, and survives ``keep`` and ``truncate``. Request ``[7, 1, 2, 5, 0, 1, 2]``
+    continues "1 2" with ``5 0`` itself and with ``3 4`` in the index (a tie: both draft)."""
+    drafter = LookupTreeDrafter(options(scope="global", prompt_lookup_max=2))
+    drafter.finished([DraftRequest("a", np.asarray([1, 2, 3, 4]), options(), cache_salt="s")])
+    tree = drafter.propose([DraftRequest("b", np.asarray([7, 1, 2, 5, 0, 1, 2]), options(), cache_salt="s")])[0]
+    marked = {int(t): bool(f) for t, f in zip(tree.tokens, tree.from_index)}
+    assert marked == {5: False, 0: False, 1: False, 2: False, 3: True, 4: True}
+    assert tree.truncate(1).from_index.size == 1
+    assert tree.keep(tree.from_index).from_index.tolist() == [True, True]
 
 
 def test_nodes_are_labelled_with_the_length_of_their_match() -> None:

@@ -4,7 +4,8 @@ Per kind of drafter (``lookup_tree`` in the global scope with the per-step
 budget: drafting on the host; ``mcsd``: a draft model inside the worker), on a KV
 cache small enough to preempt: ten greedy completions sent concurrently, then one at a time (the
 global scope drafting from the first wave), equal ``LLM(...)`` without
-speculation; then the load test of benchmarks/load_test.py: 200 mixed
+speculation; a request body's ``cache_salt`` picks the global index's
+partition; then the load test of benchmarks/load_test.py: 200 mixed
 requests at once (completions and chat, streamed and not, logprobs, stop
 strings, EOS allowed, per-request options, seeded ``n=2``), every greedy
 answer identical to a server without speculation, then dropped streams,
@@ -40,7 +41,7 @@ from benchmarks.load import (
     workload,
 )
 from benchmarks.serve_client import prometheus
-from vllm_specbeam.core.config import parse
+from vllm_specbeam.core.config import METHODS, parse
 
 STARTUP_SECONDS = 300
 #: The tree servers' KV cache: 2k tokens, far fewer than the load test's 200
@@ -141,6 +142,33 @@ def test_server_rejects_bad_per_request_option(server, spec, tiny_model):
     assert f"max_nodes={too_many} exceeds the engine's max_nodes=" in bad.text
     good = complete(server, tiny_model, "w1 w2 w3", vllm_xargs=XARGS)
     assert good.status_code == 200
+
+
+def test_server_cache_salt_reaches_the_index(server, spec, engines, tiny_model):
+    """A completion's ``cache_salt`` (in the request body, as vLLM's server takes it) picks the
+    partition of the global index: tenant A's answer drafts A's repeat, and none of tenant B's
+    identical request, whose answer is still vLLM's without speculation."""
+    if not METHODS[spec["method"]].drafter_class().salted_index(parse(spec, tiny_model, tiny_model).options):
+        pytest.skip(f"this {spec['method']} server keeps no cross-request index")
+    prompt = make_prompts(10, seed=7)[6]  # text no other test sends
+    expected = engines.get(None).generate([prompt], greedy())[0].outputs[0].text
+    counters = ("index_partitions", "nodes_from_index", "accepted_from_index")
+
+    def send(salt: str) -> dict[str, float]:
+        """The counters' growth over one request; the stats are read twice after it, as the worker
+        hears of a finished request in one more engine step (tests/conftest.py rpc_after_finished)."""
+        before = plugin_stats(server)
+        response = complete(server, tiny_model, prompt, cache_salt=salt)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected, response.text
+        plugin_stats(server)
+        after = plugin_stats(server)
+        return {key: after[key] - before[key] for key in counters}
+
+    assert send("tenant-a")["index_partitions"] == 1
+    other = send("tenant-b")
+    assert other["index_partitions"] == 1 and other["nodes_from_index"] == 0, other
+    again = send("tenant-a")
+    assert again["index_partitions"] == 0 and again["accepted_from_index"] >= MAX_TOKENS // 2, again
 
 
 @pytest.fixture(scope="module")

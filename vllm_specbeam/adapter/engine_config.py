@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
-from vllm_specbeam.core.config import SpecbeamConfig, SpecbeamConfigError
+from vllm_specbeam.core.config import METHODS, SpecbeamConfig, SpecbeamConfigError
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, SpeculativeConfig, VllmConfig
@@ -27,8 +27,12 @@ DRAFTER_HOST = "vllm_specbeam.adapter.runner.DrafterHost"
 #: The workers that build the tree runner, by platform (:mod:`.cpu_worker`, :mod:`.worker`).
 CPU_WORKER = "vllm_specbeam.adapter.cpu_worker.TreeCPUWorker"
 GPU_WORKER = "vllm_specbeam.adapter.worker.TreeGPUWorker"
-#: The scheduler of plugin engines (:mod:`vllm_specbeam.adapter.scheduler`): no prefill chunk ends inside a tree.
+#: The scheduler of plugin engines (:mod:`vllm_specbeam.adapter.scheduler`): no prefill chunk ends inside a tree,
+#: and each request's ``cache_salt`` reaches the workers.
 SCHEDULER = "vllm_specbeam.adapter.scheduler.TreePromptScheduler"
+#: ``SamplingParams.extra_args`` key in which :data:`SCHEDULER` hands the workers a request's ``cache_salt``
+#: (vLLM 0.32 keeps the salt on the engine core's ``Request`` only)
+CACHE_SALT_KEY = "specbeam_cache_salt"
 
 V2_RUNNER_PROBLEM = (
     "vllm-specbeam's tree runner extends vLLM's V1 model runner, but this engine would run the V2 model "
@@ -66,10 +70,10 @@ def is_carrier(speculative_config: SpeculativeConfig) -> bool:
     return speculative_config.method == "custom_class" and speculative_config.model == DRAFTER_HOST
 
 
-def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig) -> None:
-    """Make the engine run a plugin method: the tree runner's worker, the
-    plugin's scheduler (unless another was set), and on CUDA the tree
-    attention backend outside CUDA graphs.
+def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig, config: SpecbeamConfig) -> None:
+    """Make the engine run ``config``'s plugin method: the tree runner's worker, the
+    plugin's scheduler (unless another was set; then no index partitioned by salt),
+    and on CUDA the tree attention backend outside CUDA graphs.
 
     Called for plugin methods only, from the speculative-config patch, which
     vLLM 0.32.0 engine/arg_utils.py ``EngineArgs.create_engine_config`` runs
@@ -104,6 +108,14 @@ def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig) -
     if engine_args.scheduler_cls is None:
         # read after this patch, into SchedulerConfig (vLLM 0.32.0 EngineArgs.create_engine_config)
         engine_args.scheduler_cls = SCHEDULER
+    if engine_args.scheduler_cls != SCHEDULER and METHODS[config.method].drafter_class().salted_index(config.options):
+        # without the salt every request would read the unsalted partition: tenants' text shared after all
+        raise SpecbeamConfigError(
+            f'the cross-request index keeps requests with different cache_salt apart ("index_isolation": '
+            f'"salt"), and only the plugin\'s scheduler hands the salt to the workers, but scheduler_cls='
+            f"{engine_args.scheduler_cls} was set: remove --scheduler-cls / scheduler_cls, or set "
+            f'"index_isolation": "none" to share the index between all requests'
+        )
     if current_platform.is_cuda():
         from vllm_specbeam.adapter.attention.cuda import register_tree_backend
 

@@ -248,7 +248,9 @@ SCHEDULER = Target(
     patch=10,
     why="patch 1 names the plugin's subclass in `SchedulerConfig.scheduler_cls` (unless the user set one): "
     "under chunked prefill it ends a prefill chunk before a tree prompt's tree instead of inside it, through "
-    "the per-chunk hook vLLM calls for Mamba alignment (`adapter/scheduler.py`); in the engine-core process",
+    "the per-chunk hook vLLM calls for Mamba alignment (`adapter/scheduler.py`); its `add_request` copies each "
+    "request's `cache_salt` (kept on the engine core's `Request` only) into `SamplingParams.extra_args`, for the "
+    "workers' cross-request index; in the engine-core process",
 )
 
 TARGETS = (

@@ -85,7 +85,7 @@ def _speculative_config(stock: Callable[..., SpeculativeConfig | None]) -> Calla
 
         patches.raise_problems()
         config = parse(spec, target_tokenizer=self.tokenizer or self.model, target_model=self.model)
-        configure_engine(self, target_parallel_config)
+        configure_engine(self, target_parallel_config, config)
         self.additional_config = with_plugin_config(self.additional_config, config)
         self.speculative_config = vllm_carrier(config)
         try:

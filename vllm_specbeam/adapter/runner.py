@@ -38,7 +38,7 @@ from vllm_specbeam.adapter import patches, tree_prompt
 from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import check_tree_attention, distinct_kv_caches, move_kv_slots, tree_step
 from vllm_specbeam.adapter.draft_model import SearchDraftRuntime, WorkerDraftRuntime, uses_worker_draft
-from vllm_specbeam.adapter.engine_config import plugin_config
+from vllm_specbeam.adapter.engine_config import CACHE_SALT_KEY, plugin_config
 from vllm_specbeam.core.budget import FILL_KIND, StepBudget, StepCost
 from vllm_specbeam.core.config import AUTO, METHODS, SpecbeamConfig, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
@@ -140,6 +140,24 @@ def request_supports_trees(params: SamplingParams) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class RequestArgs:
+    """What a request's ``SamplingParams.extra_args`` hold for the drafter."""
+
+    #: the plugin's options, as the request sets them
+    overrides: dict[str, Any] | None
+    #: its ``cache_salt``, which the plugin's scheduler put there (adapter/scheduler.py)
+    cache_salt: str | None
+
+
+def request_args(params: SamplingParams) -> RequestArgs:
+    """``params.extra_args`` split into the request's options and its ``cache_salt``."""
+    extra = params.extra_args
+    if not extra or CACHE_SALT_KEY not in extra:
+        return RequestArgs(extra, None)
+    return RequestArgs({k: v for k, v in extra.items() if k != CACHE_SALT_KEY}, extra[CACHE_SALT_KEY])
+
+
 def target_probabilities(
     logits: torch.Tensor, batch_indices: list[int], rows_per_request: np.ndarray, sampling_metadata: SamplingMetadata
 ) -> torch.Tensor:
@@ -221,6 +239,10 @@ class TreeCounts:
     accepted_lookup: int = 0
     nodes_fill: int = 0
     accepted_fill: int = 0
+    #: verified nodes that continue other requests' text (a cross-request index: ``DraftTree.from_index``),
+    #: and those accepted: what finished requests drafted for later ones
+    nodes_from_index: int = 0
+    accepted_from_index: int = 0
     #: committed tokens whose draft K/V an in-worker draft kept from its tree (not fed again),
     #: and how many of those it moved to their committed slot (accepted nodes off the first branch)
     draft_kv_kept: int = 0
@@ -294,9 +316,9 @@ class TreeRunnerMixin:
         return self._prompt_trees.get(req_id)
 
     @property
-    def tree_stats(self) -> dict[str, int | float]:
+    def tree_stats(self) -> dict[str, int | float | list[int]]:
         """The counters as a plain dict, for readers through ``LLM.collective_rpc``
-        (tests, benchmarks), and the drafter's memory now (not a counter)."""
+        (tests, benchmarks), and the drafter's memory and cross-request index now (not counters)."""
         cost = None if self.budget is None else self.budget.cost
         # the budget's fitted cost, once it has one (not a counter: readers take it as is);
         # each row past ``knee`` rows costs ``slope + bend``
@@ -310,7 +332,8 @@ class TreeRunnerMixin:
                 "step_cost_bend_s": cost.bend,
             }
         )
-        return {**self.tree_counts.as_dict(), STATE_BYTES: self.tree_drafter.state_bytes, **line}
+        drafter = self.tree_drafter
+        return {**self.tree_counts.as_dict(), STATE_BYTES: drafter.state_bytes, **drafter.index_stats, **line}
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -404,8 +427,10 @@ class TreeRunnerMixin:
         if state is None or params is None or state.prompt_token_ids is None:
             return None  # not a text request (pooling, prompt embeddings)
         tokens = np.asarray([*state.prompt_token_ids, *state.output_token_ids], np.int64)
-        options = self.tree_config.with_overrides(params.extra_args)
-        return DraftRequest(req_id, tokens, options, params.temperature)
+        args = request_args(params)
+        return DraftRequest(
+            req_id, tokens, self.tree_config.with_overrides(args.overrides), params.temperature, args.cache_salt
+        )
 
     # -------------------------------------------------------------- step budget
     @override
@@ -724,6 +749,9 @@ class TreeRunnerMixin:
             counts.nodes_lookup += int(fill.size - fill.sum())
             counts.accepted_fill += int(fill[path].sum())
             counts.accepted_lookup += int(path.size - fill[path].sum())
+        if tree.from_index is not None:
+            counts.nodes_from_index += int(tree.from_index.sum())
+            counts.accepted_from_index += int(tree.from_index[path].sum())
         first_children = {int(p): int(np.argmax(tree.parents == p)) for p in tree.parents[path]}
         counts.accepted_off_first_branch += sum(first_children[int(tree.parents[n])] != int(n) for n in path)
 
@@ -762,7 +790,8 @@ class TreeRunnerMixin:
             useful_depth = (params.max_tokens or 1 << 62) - len(state.output_token_ids) - 1
             if useful_depth < 1:  # finished, or only the target's own token left
                 continue
-            options = self.tree_config.with_overrides(params.extra_args)
+            args = request_args(params)
+            options = self.tree_config.with_overrides(args.overrides)
             if useful_depth < options["num_speculative_tokens"]:
                 options["num_speculative_tokens"] = useful_depth
             auto = options["max_nodes"] == AUTO
@@ -778,6 +807,7 @@ class TreeRunnerMixin:
                     token_ids=batch.token_ids_cpu[index, :num_tokens],
                     options=options,
                     temperature=params.temperature,
+                    cache_salt=args.cache_salt,
                 )
             )
             positions.append(index)

@@ -1,4 +1,5 @@
-"""The plugin's scheduler: vLLM 0.32's, with prefill chunks that never end inside a tree prompt's tree.
+"""The plugin's scheduler: vLLM 0.32's, with prefill chunks that never end inside a tree prompt's tree,
+and each request's ``cache_salt`` handed to the workers.
 
 A tree-prompt request (:mod:`vllm_specbeam.adapter.tree_prompt`) is scored
 only when its tree's root row and every tree row are computed in one step.
@@ -13,6 +14,14 @@ on every prefill chunk it sizes, running and waiting requests alike, when
 chunk's size): this subclass sets it under chunked prefill and keeps vLLM's
 own Mamba alignment where the model needs it. Plugin engines name it in
 ``SchedulerConfig.scheduler_cls`` (:func:`vllm_specbeam.adapter.engine_config.configure_engine`).
+
+A cross-request index partitioned by ``cache_salt`` (``lookup_tree``'s global scope,
+the global lookup of draft-model methods) needs each request's salt in the worker,
+but vLLM 0.32.0 keeps it on the engine core's ``Request`` only (v1/request.py; the
+workers get ``NewRequestData``, v1/core/sched/output.py, without it). ``add_request``
+copies it into the sampling params' ``extra_args`` (:data:`CACHE_SALT_KEY`), which
+travel to every worker, and removes the key from requests without a salt: a value
+sent in ``vllm_xargs`` never poses as another tenant's salt.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from typing_extensions import override
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_specbeam.adapter import tree_prompt
+from vllm_specbeam.adapter.engine_config import CACHE_SALT_KEY
 
 
 class TreePromptScheduler(Scheduler):
@@ -30,6 +40,15 @@ class TreePromptScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self._align_mamba = self.need_mamba_block_aligned_split
         self.need_mamba_block_aligned_split = self._align_mamba or self.scheduler_config.enable_chunked_prefill
+
+    @override
+    def add_request(self, request: Any) -> None:
+        params = request.sampling_params
+        if params is not None and (request.cache_salt is not None or CACHE_SALT_KEY in (params.extra_args or {})):
+            # a new dict: the front end's copy of the params may share the user's (SamplingParams.skip_clone)
+            extra = {key: value for key, value in (params.extra_args or {}).items() if key != CACHE_SALT_KEY}
+            params.extra_args = extra if request.cache_salt is None else {**extra, CACHE_SALT_KEY: request.cache_salt}
+        super().add_request(request)
 
     @override
     def _mamba_block_aligned_split(

@@ -58,7 +58,7 @@ class TreeWorkerMixin:
         server in ``VLLM_SERVER_DEV_MODE``."""
         self.model_runner.tree_drafter.forget_finished()  # type: ignore[attr-defined]
 
-    def specbeam_stats(self) -> dict[str, int | float]:
+    def specbeam_stats(self) -> dict[str, int | float | list[int]]:
         """The runner's counters and what the drafter and the draft runtimes hold now (requests
         with state, the beam searches' draft blocks), for a server in ``VLLM_SERVER_DEV_MODE``
         (``POST /collective_rpc``)."""

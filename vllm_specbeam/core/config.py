@@ -87,6 +87,16 @@ BUDGET_OPTIONS: dict[str, Option] = {
 }
 
 
+#: Who drafts from whose text in a cross-request index (``lookup_tree``'s global scope, the global lookup).
+INDEX_ISOLATION = Option(
+    "salt",
+    "cross-request index: salt (a request drafts only from, and feeds only, finished requests with its "
+    "cache_salt, as vLLM's prefix cache shares blocks; requests without one share one partition) or none "
+    "(one index for all requests, whatever their salt)",
+    choices=("salt", "none"),
+    per_request=False,
+)
+
 #: Options of draft-model methods whose trees start with lookup branches (``mcsd``, ``dsbd``).
 LOOKUP_OPTIONS: dict[str, Option] = {
     "lookup": Option(
@@ -102,6 +112,7 @@ LOOKUP_OPTIONS: dict[str, Option] = {
         1,
         64,
     ),
+    "index_isolation": INDEX_ISOLATION,
 }
 
 

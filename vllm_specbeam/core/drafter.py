@@ -30,6 +30,9 @@ class DraftRequest:
     options: Mapping[str, Any]
     #: temperature of the request (0 = greedy)
     temperature: float = 0.0
+    #: vLLM's ``cache_salt`` of the request (``None``: unsalted): a cross-request index shares text
+    #: only between requests with the same salt, as vLLM's prefix cache shares blocks
+    cache_salt: str | None = None
 
 
 class TreeDrafter(ABC):
@@ -58,6 +61,12 @@ class TreeDrafter(ABC):
         """Raise ``SpecbeamConfigError`` for option values that do not go
         together. Runs at start-up and for every request's overrides, so it
         must be cheap."""
+
+    @staticmethod
+    def salted_index(options: Mapping[str, Any]) -> bool:
+        """Whether these engine-wide options give a cross-request index partitioned by
+        :attr:`DraftRequest.cache_salt` (the engine must then carry each request's salt to it)."""
+        return False
 
     @staticmethod
     def check_startup(options: Mapping[str, Any]) -> None:
@@ -106,6 +115,12 @@ class TreeDrafter(ABC):
     def state_bytes(self) -> int:
         """Bytes the drafter keeps across requests (``lookup_tree``'s global index), bounded by its options."""
         return 0
+
+    @property
+    def index_stats(self) -> dict[str, int | list[int]]:
+        """What its cross-request index holds now, for the runner's stats (empty without one): partitions,
+        the largest ones' tokens, sequences evicted so far."""
+        return {}
 
     @property
     def live_requests(self) -> int:

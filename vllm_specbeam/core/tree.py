@@ -39,12 +39,17 @@ class DraftTree:
     other kinds: what the drafter knows makes some nodes likelier than others
     at the same depth and rank (a long prompt-lookup match, a search's guess).
     ``None`` is kind 0 for every node.
+
+    ``from_index`` marks the nodes that continue other requests' text (a
+    drafter's cross-request index, :meth:`with_from_index`), so the runner counts
+    what one request's text drafts for another's apart; ``None``: no node does.
     """
 
     tokens: np.ndarray
     parents: np.ndarray
     draft_probs: np.ndarray | None = None
     kinds: np.ndarray | None = field(default=None, kw_only=True)  # keyword-only: subclasses add fields
+    from_index: np.ndarray | None = field(default=None, kw_only=True)  # [num_nodes] bool
 
     def __post_init__(self) -> None:
         tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -60,6 +65,11 @@ class DraftTree:
             if kinds.shape != tokens.shape or np.any(kinds < 0):
                 raise ValueError("kinds needs one non-negative integer per node")
             object.__setattr__(self, "kinds", kinds)
+        if self.from_index is not None:
+            from_index = np.asarray(self.from_index, dtype=bool).reshape(-1)
+            if from_index.shape != tokens.shape:
+                raise ValueError("from_index needs one flag per node")
+            object.__setattr__(self, "from_index", from_index)
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
 
@@ -229,18 +239,37 @@ class DraftTree:
         new_parents = np.where(parents == ROOT, ROOT, new_index[np.maximum(parents, 0)])
         probs = None if self.draft_probs is None else self.draft_probs[mask]
         kinds = None if self.kinds is None else self.kinds[mask]
-        return DraftTree(self.tokens[mask], new_parents, probs, kinds=kinds)
+        from_index = None if self.from_index is None else self.from_index[mask]
+        return DraftTree(self.tokens[mask], new_parents, probs, kinds=kinds, from_index=from_index)
 
     def truncate(self, num_nodes: int) -> DraftTree:
         """The first ``num_nodes`` nodes (still a tree: order is topological)."""
         probs = None if self.draft_probs is None else self.draft_probs[:num_nodes]
         kinds = None if self.kinds is None else self.kinds[:num_nodes]
-        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], probs, kinds=kinds)
+        from_index = None if self.from_index is None else self.from_index[:num_nodes]
+        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], probs, kinds=kinds, from_index=from_index)
 
     def with_kinds(self, kinds: np.ndarray | int) -> DraftTree:
         """This tree with its nodes' kinds set (one integer for all of them, or one per node)."""
         per_node = np.broadcast_to(np.asarray(kinds, np.int64), self.tokens.shape).copy()  # [num_nodes]
-        return DraftTree(self.tokens, self.parents, self.draft_probs, kinds=per_node)
+        return DraftTree(self.tokens, self.parents, self.draft_probs, kinds=per_node, from_index=self.from_index)
+
+    def with_from_index(self, paths: Iterable[Sequence[int] | np.ndarray]) -> DraftTree:
+        """This tree with :attr:`from_index` set on every node one of ``paths`` (token
+        sequences from the root, another request's continuations) walks through.
+        Example: tokens ``[5, 6, 7]``, parents ``[-1, 0, 0]`` and the path ``[5, 7, 9]``:
+        ``[True, False, True]``."""
+        child = {key: node for node, key in enumerate(zip(self.parents.tolist(), self.tokens.tolist()))}
+        marked = np.zeros(self.num_nodes, bool)  # [num_nodes]
+        for path in paths:
+            node = ROOT
+            for token in np.asarray(path).tolist():
+                below = child.get((node, token))
+                if below is None:
+                    break
+                node = below
+                marked[node] = True
+        return DraftTree(self.tokens, self.parents, self.draft_probs, kinds=self.kinds, from_index=marked)
 
 
 def committed_path(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> list[int]:

@@ -83,7 +83,9 @@ class LookupBranches:
     def __init__(self, options: Mapping[str, Any]) -> None:
         scope = "global" if options["lookup"] == "global" else "request"
         lookup = {key: spec.default for key, spec in {**TREE_OPTIONS, **LookupTreeDrafter.OPTIONS}.items()}
-        lookup.update(LookupTreeDrafter.defaults_for({"scope": scope}), scope=scope)
+        lookup.update(
+            LookupTreeDrafter.defaults_for({"scope": scope}), scope=scope, index_isolation=options["index_isolation"]
+        )
         #: the engine-wide options of the lookup drafter (depth and node budget set per request)
         self.options = lookup
         self.drafter = LookupTreeDrafter(lookup)
@@ -110,7 +112,7 @@ class LookupBranches:
         if options["num_speculative_tokens"] < self.engine_depth:
             depth = min(depth, options["num_speculative_tokens"])
         lookup = {**self.options, "num_speculative_tokens": depth, "max_nodes": options["max_nodes"]}
-        return DraftRequest(request.req_id, request.token_ids, lookup, request.temperature)
+        return dataclasses.replace(request, options=lookup)
 
     def split(self, requests: Sequence[DraftRequest], fills: Sequence[DraftTree]) -> list[LookupSplit]:
         """Per request: its lookup nodes and the draft's room (``fill``: the largest tree the draft
@@ -221,7 +223,8 @@ def mixed_tree(lookup: DraftTree, draft: DraftTree) -> DraftTree:
     When the draft's nodes are samples (``draft_probs``), every lookup node gets the
     point mass on its token as its ``q`` row: a deterministic draft, verified as one.
     Example: lookup ``[5, 6]`` (a chain), draft ``[7, 8]`` (a chain): tokens
-    ``[5, 6, 7, 8]``, parents ``[-1, 0, -1, 2]``, kinds ``[k, k, 3, 3]``.
+    ``[5, 6, 7, 8]``, parents ``[-1, 0, -1, 2]``, kinds ``[k, k, 3, 3]`` (``from_index``:
+    the lookup's, then none of the draft's).
     """
     if draft.num_nodes == 0:
         return lookup
@@ -235,7 +238,11 @@ def mixed_tree(lookup: DraftTree, draft: DraftTree) -> DraftTree:
         point = np.zeros((n, draft.draft_probs.shape[-1]), draft.draft_probs.dtype)  # [lookup nodes, V]
         point[np.arange(n), lookup.tokens] = 1.0
         probs = np.concatenate([point, draft.draft_probs])  # [nodes, V]
-    return DraftTree(np.concatenate([lookup.tokens, draft.tokens]), parents, probs, kinds=kinds)
+    from_index = (
+        None if lookup.from_index is None else np.concatenate([lookup.from_index, np.zeros(draft.num_nodes, bool)])
+    )
+    tokens = np.concatenate([lookup.tokens, draft.tokens])
+    return DraftTree(tokens, parents, probs, kinds=kinds, from_index=from_index)
 
 
 def without(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -270,6 +277,10 @@ class LookupFirstDrafter:
         assert self.lookup is not None  # asked only when cuts_to_step_cost
         self.lookup.batch_size, self.lookup.cost = batch_size, cost
 
+    @staticmethod
+    def salted_index(options: Mapping[str, Any]) -> bool:
+        return options["lookup"] == "global" and options["index_isolation"] == "salt"
+
     @property
     def learns_across_requests(self) -> bool:
         return self.lookup is not None and self.lookup.drafter.learns_across_requests
@@ -285,3 +296,7 @@ class LookupFirstDrafter:
     @property
     def state_bytes(self) -> int:
         return 0 if self.lookup is None else self.lookup.drafter.state_bytes
+
+    @property
+    def index_stats(self) -> dict[str, int | list[int]]:
+        return {} if self.lookup is None else self.lookup.drafter.index_stats

@@ -90,6 +90,7 @@ def mixed_forest(request: DraftRequest, lookup: DraftTree, forest: DraftTree) ->
         options["width_threshold"],
         options["max_width"],
         kinds=kinds,
+        from_index=mixed.from_index,
     )
 
 

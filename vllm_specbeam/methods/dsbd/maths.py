@@ -69,6 +69,7 @@ class BeamForest(DraftTree):
             self.width_threshold,
             self.max_width,
             kinds=cut.kinds,
+            from_index=cut.from_index,
         )
 
 

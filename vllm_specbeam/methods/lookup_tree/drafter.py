@@ -9,19 +9,22 @@ accept whichever is right, for the same single verification pass.
 With ``"scope": "global"`` the matches also come from the prompts and
 outputs of the requests this engine finished before
 (:mod:`vllm_specbeam.methods.lookup_tree.index`): whichever source holds the
-longer match of the recent n-gram drafts (both, on a tie). A request with
-``"share": false`` is never indexed. Repeated text is worth deep drafts and
-novel text is not, so the global scope drafts as deep as the matched n-gram is
-long (``depth_factor``, as vLLM's ``suffix`` does), up to 24 tokens: a 3-token
-match drafts 3 deep, a request repeating an earlier answer 24 deep.
+longer match of the recent n-gram drafts (both, on a tie). With
+``"index_isolation": "salt"`` (the default) a request matches, and feeds, only
+the finished requests with its ``cache_salt``; a request with ``"share": false``
+is never indexed. Repeated text is worth deep drafts and novel text is not, so
+the global scope drafts as deep as the matched n-gram is long
+(``depth_factor``, as vLLM's ``suffix`` does), up to 24 tokens: a 3-token match
+drafts 3 deep, a request repeating an earlier answer 24 deep.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from vllm_specbeam.core.config import Option, SpecbeamConfigError
+from vllm_specbeam.core.config import INDEX_ISOLATION, Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.lookup import NO_MATCH, continuations, match_ends, match_tree
 from vllm_specbeam.core.tree import DraftTree
@@ -44,8 +47,13 @@ class LookupTreeDrafter(TreeDrafter):
             per_request=False,
         ),
         "index_tokens": Option(
-            1 << 18, "global scope: most tokens indexed (oldest requests dropped first)", 1, 1 << 28, per_request=False
+            1 << 18,
+            "global scope: most tokens indexed, all salts together (the largest salt's oldest requests dropped first)",
+            1,
+            1 << 28,
+            per_request=False,
         ),
+        "index_isolation": INDEX_ISOLATION,
         "share": Option(True, "global scope: index this request's prompt and output for drafting others'"),
         "depth_factor": Option(
             0.0, "draft at most depth_factor x (matched n-gram length) tokens deep; 0: always the full depth", 0, 64
@@ -80,9 +88,14 @@ class LookupTreeDrafter(TreeDrafter):
                 f"prompt_lookup_max={options['prompt_lookup_max']}"
             )
 
+    @staticmethod
+    def salted_index(options: Mapping[str, Any]) -> bool:
+        return options["scope"] == "global" and options["index_isolation"] == "salt"
+
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
         self.index = SuffixIndex(self.options["index_tokens"]) if self.options["scope"] == "global" else None
+        self.salted = self.salted_index(self.options)
 
     @property
     def learns_across_requests(self) -> bool:
@@ -92,11 +105,21 @@ class LookupTreeDrafter(TreeDrafter):
     def state_bytes(self) -> int:
         return 0 if self.index is None else self.index.nbytes
 
+    @property
+    def index_stats(self) -> dict[str, int | list[int]]:
+        if self.index is None:
+            return {}
+        return {f"index_{key}": value for key, value in dataclasses.asdict(self.index.stats()).items()}
+
+    def _salt(self, request: DraftRequest) -> str | None:
+        """The index partition ``request`` reads and feeds: its salt's, or the one shared by all."""
+        return request.cache_salt if self.salted else None
+
     def finished(self, requests: list[DraftRequest]) -> None:
         assert self.index is not None  # asked only when learns_across_requests
         for request in requests:
             if request.options["share"]:
-                self.index.add(request.token_ids)
+                self.index.add(self._salt(request), request.token_ids)
 
     def forget_finished(self) -> None:
         if self.index is not None:
@@ -110,14 +133,18 @@ class LookupTreeDrafter(TreeDrafter):
         tokens = request.token_ids
         low, high, depth = opts["prompt_lookup_min"], opts["prompt_lookup_max"], opts["num_speculative_tokens"]
         own = match_ends(tokens[:-1], tokens, low, high)
-        found = match_ends(self.index.corpus, tokens, low, high) if self.index is not None else NO_MATCH
+        partition = None if self.index is None else self.index.partition(self._salt(request))
+        found = NO_MATCH if partition is None else match_ends(partition.corpus, tokens, low, high)
         length = max(own.length, found.length)  # the longer match drafts (both when equal)
         if opts["depth_factor"] > 0:  # a 3-token match at factor 1: at most 3 deep
             depth = min(depth, max(1, int(opts["depth_factor"] * length)))
         paths = continuations(tokens, own, depth) if own.length >= found.length else []
-        if self.index is not None and found.length >= own.length:
-            paths += [self.index.continuation(end, depth) for end in found.ends]
-        paths = [p for p in paths[: opts["max_matches"]] if p.size]
-        if not paths:
+        mine = len(paths)
+        if partition is not None and found.length >= own.length:
+            paths += [partition.continuation(end, depth) for end in found.ends]
+        paths = paths[: opts["max_matches"]]
+        drafted = [p for p in paths if p.size]
+        if not drafted:
             return DraftTree.empty()
-        return match_tree(paths, length, opts["max_nodes"])
+        tree = match_tree(drafted, length, opts["max_nodes"])
+        return tree.with_from_index(paths[mine:]) if len(paths) > mine else tree
