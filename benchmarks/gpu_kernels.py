@@ -53,7 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import markdown_table  # stdlib only, no vLLM
+from benchmarks.process_group import atomic_write, stop_group  # stdlib only, no vLLM
+from benchmarks.report import markdown_table
 
 KERNEL_TESTS = ("tests/kernels/test_tree_attention.py", "tests/kernels/test_kv_move.py")
 #: each stage's share of the 270 s default budget (scaled with ``--budget``)
@@ -91,14 +92,8 @@ class Report:
 
     def save(self) -> None:
         self.data["elapsed_s"] = round(time.monotonic() - self.started, 1)
-        _atomic_write(self.out / "report.json", json.dumps(self.data, indent=2) + "\n")
-        _atomic_write(self.out / "report.md", render_markdown(self.data))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+        atomic_write(self.out / "report.json", json.dumps(self.data, indent=2) + "\n")
+        atomic_write(self.out / "report.md", render_markdown(self.data))
 
 
 ATTENTION_COLUMNS = (
@@ -224,27 +219,16 @@ def run_child(
                     if on_poll:
                         on_poll()
                     if time.monotonic() - began > timeout:
-                        _kill_group(process)
+                        stop_group(process, grace_s=5.0)
                         out.write(f"\n[killed after {timeout:.0f} s: the stage's time limit]\n")
                         code = None
                         break
         finally:
             if process.poll() is None:  # interrupted: leave nothing running
-                _kill_group(process)
+                stop_group(process, grace_s=5.0)
     if on_poll:
         on_poll()
     return code, time.monotonic() - began
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        try:
-            process.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def child_env(args: argparse.Namespace) -> dict[str, str]:

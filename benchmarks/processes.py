@@ -28,6 +28,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 import requests
 
 from benchmarks.host import ROOT
+from benchmarks.process_group import atomic_write
 
 if TYPE_CHECKING:
     from benchmarks.plan import EngineSpec
@@ -242,13 +243,6 @@ def engine_schedule(engines: Sequence[EngineSpec], rounds: int) -> list[tuple[in
     methods = [e for e in engines if e.kind != "baseline"]
     baseline = [e for e in engines if e.kind == "baseline"]
     return [(r, e) for r in range(rounds) for e in (methods if r % 2 == 0 else methods[::-1]) + baseline]
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` so that a reader polling ``path`` never sees it half written."""
-    partial = path.with_suffix(".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 def wait_for(path: Path, text: str | None = None, poll_s: float = 0.005) -> str:
