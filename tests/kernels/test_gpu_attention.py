@@ -462,6 +462,9 @@ def test_vllms_cuda_selector_picks_the_tree_backend(monkeypatch, cuda_platform, 
     assert path == f"{gpu_attention.__name__}.TreeTritonAttentionBackend"
     with pytest.raises(ValueError, match="sliding window not supported"):
         cuda_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, config._replace(has_sliding_window=True))
+    for head_size in (72, 512):  # not compiled and checked (tools/check_gpu_compile.py): spills, shared memory
+        with pytest.raises(ValueError, match="head_size not supported"):
+            cuda_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, config._replace(head_size=head_size))
 
 
 def piecewise_config(tiny_model: str, mode: CUDAGraphMode):
@@ -526,6 +529,12 @@ def test_layers_without_the_tree_backend_or_with_alibi_are_refused():
     )  # fmt: skip
     with pytest.raises(ValueError, match="does not support ALiBi, logit soft-capping"):
         gpu_attention.check_tree_backend([alibi])
+    wide_group = gpu_attention.TreeTritonAttentionImpl(
+        num_heads=48, head_size=256, scale=0.0625, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+        kv_cache_dtype="auto",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="head size 256 with 48 query heads per KV head; use vLLM's built-in"):
+        gpu_attention.check_tree_backend([wide_group])
 
 
 # ------------------------------------------- (d) the in-worker draft model on CUDA

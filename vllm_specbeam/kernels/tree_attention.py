@@ -240,6 +240,22 @@ if HAS_TRITON:
         )
 
 
+def admits_head_size(head_size: int) -> bool:
+    """Head sizes compiled and checked for sm_80 and sm_90 (tools/check_gpu_compile.py): multiples
+    of 16 (the JIT's divisibility hint on a head's row) from 32 to 256. Head 72 spills at 255
+    registers; head 512 exceeds sm_80's shared memory."""
+    return head_size % 16 == 0 and 32 <= head_size <= 256
+
+
+def admits(head_size: int, query_heads_per_kv: int) -> bool:
+    """Whether the kernel runs this shape as compiled and checked: a program holds a whole GQA
+    group, so its score tile ``next_pow2(group) x next_pow2(head)`` must stay within the
+    ``64 x 128`` :func:`_launch_config` is written for (head 256 with 48 query heads per KV
+    head spills on sm_80)."""
+    tile = triton.next_power_of_2(query_heads_per_kv) * triton.next_power_of_2(head_size)
+    return admits_head_size(head_size) and tile <= 64 * 128
+
+
 def _launch_config(query_heads_per_kv: int, head_size: int, max_query_len: int) -> dict[str, int]:
     """Tile sizes: enough score rows for ``tl.dot`` (>= 16) without spilling.
 
@@ -251,11 +267,14 @@ def _launch_config(query_heads_per_kv: int, head_size: int, max_query_len: int) 
     max_rows = 64 if head_size <= 128 else 32
     block_m = min(max_rows, max(16, triton.next_power_of_2(max(1, max_query_len) * qpkv_pad)))
     block_q = max(1, block_m // qpkv_pad)
+    # Warps by the tile the kernel holds, BLOCK_M x HEAD_SIZE_PAD: with the head size itself,
+    # 64 x 80, 64 x 96 and 32 x 192 tiles got 4 warps and spilled (tools/check_gpu_compile.py).
+    tile = block_q * qpkv_pad * triton.next_power_of_2(head_size)
     return {
         "QPKV_PAD": qpkv_pad,
         "BLOCK_Q": block_q,
         "TILE_N": 32 if head_size <= 128 else 16,
-        "num_warps": 8 if block_q * qpkv_pad * head_size >= 64 * 128 else 4,
+        "num_warps": 8 if tile >= 64 * 128 else 4,
     }
 
 

@@ -44,7 +44,7 @@ from vllm_specbeam.adapter.attention.step import active_step, masked_rows, node_
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.kernels.reference import BITS_PER_WORD, pack_ancestor_mask
-from vllm_specbeam.kernels.tree_attention import tree_attention
+from vllm_specbeam.kernels.tree_attention import admits, admits_head_size, tree_attention
 
 
 # ------------------------------------------------------------------ the step
@@ -258,6 +258,11 @@ class TreeTritonAttentionBackend(TritonAttentionBackend):
 
     @classmethod
     @override
+    def supports_head_size(cls, head_size: int) -> bool:
+        return admits_head_size(head_size)
+
+    @classmethod
+    @override
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
@@ -305,6 +310,13 @@ def check_tree_backend(attention_impls: Sequence[torch.nn.Module]) -> None:
             raise ValueError(
                 f"vllm-specbeam tree verification on CUDA needs its attention backend in every layer, "
                 f"but a layer uses {type(impl).__name__} (the model chose its own backend)"
+            )
+        if not admits(impl.head_size, impl.num_queries_per_kv):
+            raise ValueError(
+                f"vllm-specbeam's tree kernel is compiled and checked for head sizes that are multiples of 16 "
+                f"from 32 to 256 and for query heads per KV head up to 64 x 128 / head size (padded to powers "
+                f"of two), but the model has head size {impl.head_size} with {impl.num_queries_per_kv} query "
+                f"heads per KV head; use vLLM's built-in speculative methods for this model"
             )
         problems = [name for name, used in (
             ("ALiBi", impl.alibi_slopes is not None),
