@@ -28,6 +28,12 @@ logit margin there: a lossless method may only leave it at a near-tie
 (rounding, batch shapes); a divergence at a margin above ``--near-tie`` is
 printed as a bug signal.
 
+Requests carry no ``cache_salt`` unless ``--cache-salt`` gives one (the plugin's
+cross-request index is partitioned by it); several salts run every scenario
+once per salt on the same engines, ``-`` standing for unsalted requests, and
+each row is compared with the baseline under the same salt. Every timed run
+starts on an empty prefix cache.
+
     python benchmarks/compare.py                                  # SmolLM2-135M, HumanEval, quick sweep
     python benchmarks/compare.py --model Qwen/Qwen2.5-Coder-1.5B-Instruct \\
         --draft Qwen/Qwen2.5-Coder-0.5B-Instruct --num-prompts 16 --max-tokens 128
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts=[p.text for p in prompts],
         max_tokens=args.max_tokens,
         repeats=args.repeats,
-        scenarios=[Scenario(b, t) for t in args.temperatures for b in args.batch_sizes],
+        scenarios=scenarios(args),
         engine_kwargs={"enforce_eager": True} if args.enforce_eager else {},
     )
     comparison, runs = offline.compare(
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "batch_sizes": args.batch_sizes,
             "temperatures": args.temperatures,
+            # every request's cache_salt, a scenario per entry (None: unsalted requests)
+            "cache_salts": cache_salts(args),
             "repeats": args.repeats,
             "engine_rounds": args.engine_rounds,
             "interleave": args.interleave,
@@ -179,6 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: ``--cache-salt``'s word for unsalted requests
+UNSALTED = "-"
+
+
+def cache_salts(args: argparse.Namespace) -> list[str | None]:
+    """The requests' ``cache_salt`` per scenario, as ``--cache-salt`` gives them (None: unsalted)."""
+    return [None if salt == UNSALTED else salt for salt in args.cache_salt or [UNSALTED]]
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    """Every temperature x batch size x salt, the salts of one batch size next to each other."""
+    return [Scenario(b, t, s) for t in args.temperatures for b in args.batch_sizes for s in cache_salts(args)]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -211,6 +233,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument(
+        "--cache-salt",
+        nargs="+",
+        default=None,
+        metavar="SALT",
+        help="every request's cache_salt (vLLM's prefix-cache salt, which also partitions the plugin's "
+        f"cross-request index); several: every scenario once per salt, next to each other, {UNSALTED!r} "
+        "for unsalted requests (default: unsalted)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per scenario; the median is reported")
     parser.add_argument(
         "--engine-rounds",
@@ -299,6 +330,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("batch sizes must be >= 1")
     if args.engine_rounds < 1:
         parser.error("--engine-rounds must be >= 1")
+    salts = args.cache_salt or []
+    if "" in salts or len(set(salts)) < len(salts):
+        parser.error(f"--cache-salt: each salt once, none empty ({UNSALTED!r} for unsalted requests)")
     if args.near_tie < 0:
         parser.error("--near-tie is a logit margin: give a number >= 0")
     if args.interleave and args.engine_rounds > 1:

@@ -97,6 +97,18 @@ def spec_figures(
     return SpecFigures(written / steps, rate, steps / output_tokens)
 
 
+def scenario_key(run: Mapping[str, Any]) -> tuple[int, float, str | None]:
+    """A row's scenario: batch size, temperature and its requests' ``cache_salt`` (None: unsalted;
+    rows of results written before the salt was recorded have none)."""
+    return run["batch_size"], run["temperature"], run.get("cache_salt")
+
+
+def _salt_order(run: Mapping[str, Any]) -> tuple[bool, str]:
+    """Unsalted rows first, then by salt: a sort key."""
+    salt = run.get("cache_salt")
+    return salt is not None, salt or ""
+
+
 def median(values: Iterable[float]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -405,6 +417,7 @@ def assemble(
                     "beam_width": setting.beam_width,
                     "batch_size": scenario.batch_size,
                     "temperature": scenario.temperature,
+                    "cache_salt": scenario.cache_salt,
                     "engine": engine.id,
                     "tokens_per_s": median(tps),
                     "tokens_per_s_runs": tps,
@@ -441,11 +454,11 @@ def assemble(
                     "texts": record["texts"],
                 }
             )
-    reference = {(r["batch_size"], r["temperature"]): r for r in runs if r["method"] == "none"}
+    reference = {scenario_key(r): r for r in runs if r["method"] == "none"}
     beams = {(r["batch_size"], r["beam_width"]): r for r in runs if r["method"] == "beam_search"}
     compared: list[tuple[dict[str, Any], list[list[int]]]] = []  # greedy rows and no speculation's outputs
     for run in runs:
-        base = reference[(run["batch_size"], run["temperature"])]
+        base = reference[scenario_key(run)]
         run["speedup"] = ratio(run["tokens_per_s"], base["tokens_per_s"])
         # run k against the baseline's run k: with --interleave they ran next to each other
         run["speedup_paired"] = median(
@@ -484,6 +497,7 @@ def clear_margin_divergences(runs: list[dict[str, Any]]) -> list[dict[str, Any]]
             "method": run["method"],
             "setting": run["setting_label"],
             "batch_size": run["batch_size"],
+            "cache_salt": run.get("cache_salt"),
             "engine": run["engine"],
             **point,
             "expected": is_lossy(run["method"]),
@@ -504,8 +518,9 @@ def print_clear_margin_divergences(divergences: list[dict[str, Any]], near_tie: 
             f"--near-tie {near_tie:g}): a lossless method left the target's greedy choice: a bug signal"
         )
         for d in signals:
+            salt = "" if d.get("cache_salt") is None else f" salt {d['cache_salt']!r}"
             print(
-                f"!!!   {d['method']} {d['setting']} batch {d['batch_size']}: prompt {d['prompt']}, "
+                f"!!!   {d['method']} {d['setting']} batch {d['batch_size']}{salt}: prompt {d['prompt']}, "
                 f"token {d['position']}, margin {d['margin']:.3f}"
             )
     expected = sorted({d["method"] for d in divergences if d["expected"]})
@@ -567,6 +582,7 @@ _RUN = {
         "beam_width": {"type": ["integer", "null"]},
         "batch_size": {"type": "integer", "minimum": 1},
         "temperature": {"type": "number", "minimum": 0},
+        "cache_salt": {"type": ["string", "null"]},
         "engine": {"type": "string"},
         "tokens_per_s": {"type": "number", "exclusiveMinimum": 0},
         "tokens_per_s_runs": {"type": "array", "items": {"type": "number"}, "minItems": 1},
@@ -652,7 +668,7 @@ def validate_result(result: Mapping[str, Any]) -> None:
     jsonschema.validate(result, RESULT_SCHEMA)
     best: dict[tuple, int] = {}
     for run in result["runs"]:
-        key = (run["method"], run["batch_size"], run["temperature"])
+        key = (run["method"], *scenario_key(run))
         best[key] = best.get(key, 0) + run["best"]
         if run["method"] == "none" and run["speedup"] is not None and abs(run["speedup"] - 1) > 1e-9:
             raise jsonschema.ValidationError(f"baseline speedup {run['speedup']} != 1")
@@ -665,7 +681,7 @@ def mark_best(runs: list[dict[str, Any]]) -> None:
     """Flag the fastest setting (median tokens/s) of each method per scenario."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for run in runs:
-        groups.setdefault((run["method"], run["batch_size"], run["temperature"]), []).append(run)
+        groups.setdefault((run["method"], *scenario_key(run)), []).append(run)
     for group in groups.values():
         top = max(group, key=lambda run: run["tokens_per_s"])
         for run in group:
@@ -703,6 +719,16 @@ OFFLINE_COLUMNS = (
 )
 
 
+def with_salt_column(
+    columns: Sequence[tuple[str, str, int]], rows: Sequence[Mapping[str, Any]]
+) -> Sequence[tuple[str, str, int]]:
+    """``columns`` with the requests' ``cache_salt`` after the temperature when some row has one."""
+    if all(row.get("cache_salt") is None for row in rows):
+        return columns
+    at = next(i for i, (_, key, _) in enumerate(columns) if key == "temperature") + 1
+    return (*columns[:at], ("salt", "cache_salt", 0), *columns[at:])
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, int]]) -> str:
     """A Markdown table of ``rows`` (dicts) with ``(title, key, digits)`` columns."""
     lines = ["| " + " | ".join(title for title, _, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
@@ -716,9 +742,9 @@ def offline_table(runs: Sequence[Mapping[str, Any]]) -> str:
     the JSON). Speedups are against ``none`` in the same scenario and run."""
     rows = sorted(
         (r for r in runs if r["best"]),
-        key=lambda r: (r["temperature"], r["batch_size"], r["method"] != "none", -r["tokens_per_s"]),
+        key=lambda r: (r["temperature"], r["batch_size"], _salt_order(r), r["method"] != "none", -r["tokens_per_s"]),
     )
-    return markdown_table(with_divergence_cells(rows), OFFLINE_COLUMNS)
+    return markdown_table(with_divergence_cells(rows), with_salt_column(OFFLINE_COLUMNS, rows))
 
 
 #: (title, key, digits) of the beam-search table.
@@ -771,9 +797,9 @@ def settings_table(runs: Sequence[Mapping[str, Any]]) -> str:
     rows = [r for r in runs if len(counts[r["method"]]) > 1]
     if not rows:
         return ""
-    rows.sort(key=lambda r: (r["temperature"], r["batch_size"], r["method"], -r["tokens_per_s"]))
+    rows.sort(key=lambda r: (r["temperature"], r["batch_size"], _salt_order(r), r["method"], -r["tokens_per_s"]))
     return "\nEvery setting of the methods that swept several:\n\n" + markdown_table(
-        with_divergence_cells(rows), SETTINGS_COLUMNS
+        with_divergence_cells(rows), with_salt_column(SETTINGS_COLUMNS, rows)
     )
 
 
@@ -826,8 +852,8 @@ def charts(runs: Sequence[Mapping[str, Any]]) -> Charts:
         r for r in runs if r["best"] and r["method"] != "none" and r["speedup"] is not None and not quality_differs(r)
     ]
     differing = [r for r in runs if quality_differs(r)]
-    scenarios = {(r["batch_size"], r["temperature"]) for r in differing}
-    baselines = [r for r in runs if r["method"] == "none" and (r["batch_size"], r["temperature"]) in scenarios]
+    scenarios = {scenario_key(r) for r in differing}
+    baselines = [r for r in runs if r["method"] == "none" and scenario_key(r) in scenarios]
     return Charts(bars, differing + [r for r in baselines if r not in differing])
 
 
@@ -854,28 +880,36 @@ def _pyplot() -> Any:
     return plt
 
 
+def _panel_title(batch: int, salt: str | None, salted: bool) -> str:
+    """A plot panel's title: its batch size, and its requests' salt when some panel has one."""
+    return f"batch {batch}" + ("" if not salted else ", unsalted" if salt is None else f", salt {salt}")
+
+
 def plot_speedup_bars(runs: Sequence[Mapping[str, Any]], kinds: Mapping[str, str], path: Path, title: str) -> None:
     """Greedy speedups over no speculation, one horizontal bar per method (its best setting),
-    one panel per batch size; vLLM's methods (grey) above the plugin's, each group fastest
-    first, the same order in every panel."""
+    one panel per batch size (and ``cache_salt``, when requests had one); vLLM's methods (grey)
+    above the plugin's, each group fastest first, the same order in every panel."""
     plt = _pyplot()
     from matplotlib.patches import Patch
 
-    batches = sorted({r["batch_size"] for r in runs})
-    best = {(r["method"], r["batch_size"]): r for r in runs}
-    top = {m: max(r["speedup"] for (n, _), r in best.items() if n == m) for m, _ in best}
+    panels = sorted(
+        {(r["batch_size"], r.get("cache_salt")) for r in runs}, key=lambda p: (p[0], p[1] is not None, p[1] or "")
+    )
+    salted = any(salt is not None for _, salt in panels)
+    best = {(r["method"], r["batch_size"], r.get("cache_salt")): r for r in runs}
+    top = {m: max(r["speedup"] for (n, *_), r in best.items() if n == m) for m, *_ in best}
     methods = sorted(top, key=lambda m: (kinds.get(m) != "vllm", -top[m]))
     height = 2.2 + 0.4 * len(methods)  # inches: 0.4 a bar, the rest for the axis, the title and the legend
-    fig, axes = plt.subplots(1, len(batches), squeeze=False, sharey=True, figsize=(1.5 + 4.2 * len(batches), height))
-    for ax, batch in zip(axes[0], batches):
-        rows = [(y, best[(m, batch)]) for y, m in enumerate(methods) if (m, batch) in best]
+    fig, axes = plt.subplots(1, len(panels), squeeze=False, sharey=True, figsize=(1.5 + 4.2 * len(panels), height))
+    for ax, (batch, salt) in zip(axes[0], panels):
+        rows = [(y, best[(m, batch, salt)]) for y, m in enumerate(methods) if (m, batch, salt) in best]
         for y, run in rows:
             colour = PEER_COLOUR if kinds.get(run["method"]) == "vllm" else OURS_COLOUR
             ax.barh(y, run["speedup"], color=colour)
             ax.text(run["speedup"], y, f" {run['speedup']:.2f}×", va="center", fontsize=8)
         ax.axvline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xlim(0, max(1.0, *(run["speedup"] for _, run in rows)) * 1.2)
-        ax.set_title(f"batch {batch}", fontsize=10)
+        ax.set_title(_panel_title(batch, salt, salted), fontsize=10)
         ax.set_xlabel("output tokens/s ÷ no speculation (dashed: 1×)")
         ax.grid(axis="x", alpha=0.3)
     axes[0][0].set_yticks(range(len(methods)), methods)
@@ -895,15 +929,16 @@ def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title
     lossless method scatters around it, a lossy one sits where it sits."""
     plt = _pyplot()
 
-    scenarios = sorted({(r["batch_size"], r["temperature"]) for r in runs}, key=lambda s: (s[1], s[0]))
+    scenarios = sorted({scenario_key(r) for r in runs}, key=lambda s: (s[1], s[0], s[2] is not None, s[2] or ""))
+    salted = any(salt is not None for *_, salt in scenarios)
     methods = sorted({r["method"] for r in runs})
     colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     columns = min(len(scenarios), 3)
     rows = -(-len(scenarios) // columns)
     fig, axes = plt.subplots(rows, columns, squeeze=False, figsize=(5 * columns, 4 * rows))
-    for ax, (batch, temperature) in zip(axes.flat, scenarios):
+    for ax, (batch, temperature, salt) in zip(axes.flat, scenarios):
         for run in runs:
-            if (run["batch_size"], run["temperature"]) != (batch, temperature):
+            if scenario_key(run) != (batch, temperature, salt):
                 continue
             x, y = run["speedup"], run["mean_loglik_per_token"]
             if x is None or y is None:
@@ -926,7 +961,7 @@ def plot_speedup_vs_quality(runs: Sequence[Mapping[str, Any]], path: Path, title
                 textcoords="offset points",
             )
         ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_title(f"batch {batch}, temperature {temperature}")
+        ax.set_title(f"{_panel_title(batch, salt, salted)}, temperature {temperature}")
         ax.set_xlabel("output tokens/s ÷ no speculation")
         ax.set_ylabel("mean log-likelihood / token (target)")
         ax.legend(fontsize=7, loc="best")

@@ -31,6 +31,9 @@ WARM_UP_TEXT = "A short sentence to warm the engine up."
 class Scenario:
     batch_size: int
     temperature: float
+    #: every request's ``cache_salt`` (``compare.py --cache-salt``; None: unsalted requests): vLLM's
+    #: prefix-cache salt, by which the plugin's cross-request index is partitioned (issue #60)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -142,14 +145,11 @@ def run_job(job: Job) -> None:
 
         return SpeculativeBeamSearch(llm, num_speculative_tokens=depth)
 
-    salts = itertools.count()
-
     def run(setting: Setting, scenario: Scenario) -> list[list[int]]:
-        """All prompts, at most ``batch_size`` requests in flight at a time. Each run gets its
-        own ``cache_salt``: no run reads KV blocks an earlier run of the same prompts left in
-        vLLM's prefix cache (beam searches re-submit their beams, and would find them)."""
-        salt = f"run-{next(salts)}"
-        token_prompts = [TokensPrompt(prompt_token_ids=ids, cache_salt=salt) for ids in prompt_ids]
+        """All prompts, at most ``batch_size`` requests in flight at a time, every request with
+        the scenario's ``cache_salt`` (or none). Each run starts on an empty prefix cache
+        (:func:`fresh_start`), so none reads the KV blocks an earlier run left."""
+        token_prompts = request_prompts(prompt_ids, scenario.cache_salt)
         outputs: list[list[int]] = []
         for first in range(0, len(token_prompts), scenario.batch_size):
             indices = range(first, min(first + scenario.batch_size, len(token_prompts)))
@@ -179,7 +179,7 @@ def run_job(job: Job) -> None:
     for _ in range(job.repeats):  # repeats outermost: drift on a shared machine hits every setting alike
         for scenario_index, scenario in enumerate(job.scenarios):
             for setting_index, setting in enumerate(job.settings):
-                llm.collective_rpc(_forget_finished)  # every run drafts only from its own requests
+                fresh_start(llm)
                 before = counters()
                 if job.turn:
                     wait_for(Path(job.turn), f"{job.name} {next(turns)}")
@@ -225,6 +225,26 @@ def run_job(job: Job) -> None:
     }
     Path(job.result).write_text(json.dumps(result))
     llm.llm_engine.engine_core.shutdown()
+
+
+def request_prompts(prompt_ids: list[list[int]], cache_salt: str | None) -> list[Any]:
+    """The requests of a run: the prompts' token ids, each with ``cache_salt`` when one is given
+    (vLLM's ``TokensPrompt``; no ``cache_salt`` key otherwise: an unsalted request)."""
+    from vllm.inputs import TokensPrompt
+
+    salted = {} if cache_salt is None else {"cache_salt": cache_salt}
+    return [TokensPrompt(prompt_token_ids=ids, **salted) for ids in prompt_ids]
+
+
+def fresh_start(llm: Any) -> None:
+    """Before each timed run: the engine as newly started for the workload. Its cross-request
+    memory emptied (:func:`_forget_finished`: every run drafts only from its own requests), and
+    vLLM's prefix cache emptied, so no run reads the KV blocks an earlier run of the same
+    prompts left there (beam searches re-submit their beams, and would find them); a salt per
+    run did this before ``--cache-salt``, when the salt meant nothing to the plugin."""
+    llm.collective_rpc(_forget_finished)
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM did not empty its prefix cache between timed runs (blocks still in use)")
 
 
 def _forget_finished(worker: Any) -> None:

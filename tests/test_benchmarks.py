@@ -8,6 +8,7 @@ checks that a real run produces a JSON, table and PNG that agree.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -15,7 +16,9 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -720,6 +723,98 @@ def test_engine_rounds_pool_each_engines_runs_and_the_baseline_scores_once(monke
     assert tree["tokens_per_s_runs"] == [1.5, 1.5] and tree["counters"] == {"accepted": 2}
     assert tree["speedup"] == 1.0 and tree["exact_match"] == 1.0 and tree["mean_loglik_per_token"] == -1.0
     assert tree["outputs_differ_between_rounds"] is False
+
+
+class FakeLLM:
+    """vLLM's ``LLM`` as the benchmark worker calls it, without an engine: it records the
+    requests it is given and the prefix-cache resets in ``events``; every output repeats
+    its prompt's last token."""
+
+    def __init__(self, events: list[tuple], **engine_args: object) -> None:
+        self.events = events
+        config = SimpleNamespace(
+            scheduler_config=SimpleNamespace(async_scheduling=False), model_config=SimpleNamespace(dtype="float32")
+        )
+        self.llm_engine = SimpleNamespace(vllm_config=config, engine_core=SimpleNamespace(shutdown=lambda: None))
+
+    def get_tokenizer(self) -> SimpleNamespace:
+        return SimpleNamespace(encode=lambda text: [ord(c) for c in text], decode=lambda ids: str(ids))
+
+    def generate(self, prompts: list[dict], params: object, use_tqdm: bool) -> list[SimpleNamespace]:
+        self.events.append(("generate", [dict(p) for p in prompts]))
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        outputs = [[p["prompt_token_ids"][-1]] * sp.max_tokens for p, sp in zip(prompts, each, strict=True)]
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids)]) for ids in outputs]
+
+    def get_metrics(self) -> list:
+        return []
+
+    def collective_rpc(self, method: object) -> list[None]:
+        return [None]  # no plugin runner: no drafter to empty, no tree counters
+
+    def reset_prefix_cache(self) -> bool:
+        self.events.append(("reset prefix cache",))
+        return True
+
+
+def test_cache_salt_reaches_every_request_the_worker_generates(monkeypatch, tmp_path):
+    """``--cache-salt tenant -``: every scenario once per salt, and every request of a timed run
+    carries its scenario's salt (an unsalted one no ``cache_salt`` at all), through the job file
+    the parent writes and the worker loads, with a stand-in engine; every timed run starts on an
+    emptied prefix cache (no salt per run keeps runs apart any more)."""
+    import vllm
+
+    args = compare.parse_args(["--cache-salt", "tenant", "-", "--batch-sizes", "1", "2", "--temperatures", "0"])
+    assert compare.cache_salts(args) == ["tenant", None]
+    salted, unsalted = [[worker.Scenario(b, 0.0, salt) for b in (1, 2)] for salt in ("tenant", None)]
+    assert compare.scenarios(args) == [salted[0], unsalted[0], salted[1], unsalted[1]]
+    assert compare.cache_salts(compare.parse_args([])) == [None]  # the default: unsalted requests
+    for wrong in (["a", "a"], [""]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(["--cache-salt", *wrong])
+
+    engine = plan.EngineSpec("lookup_tree", "lookup_tree", "plugin", {}, [plan.Setting("s", {}, {"max_nodes": 4})])
+    workload = offline.Workload("m", "float32", 64, 0, ["ab", "cd", "ef"], 2, 1, compare.scenarios(args))
+    job = offline.Comparison([engine], {}, workload, tmp_path).job(engine, "lookup_tree", scores=False)
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(asdict(job)))  # as processes.start_worker hands it over
+    events: list[tuple] = []
+    monkeypatch.setattr(vllm, "LLM", functools.partial(FakeLLM, events))
+    worker.run_job(worker.Job.load(job_file))
+
+    warm_up, *timed = events
+    assert warm_up[0] == "generate" and "cache_salt" not in warm_up[1][0]  # the warm-up text: unsalted
+    runs = [list(group) for reset, group in itertools.groupby(timed, key=len) if reset != 1]
+    assert [event[0] for event in timed if len(event) == 1] == ["reset prefix cache"] * 4
+    assert timed[0] == ("reset prefix cache",) and len(runs) == 4
+    for scenario, calls in zip(compare.scenarios(args), runs, strict=True):
+        assert [len(requests) for _, requests in calls] == ([1, 1, 1] if scenario.batch_size == 1 else [2, 1])
+        requests = [request for _, batch in calls for request in batch]
+        assert [r["prompt_token_ids"] for r in requests] == [[ord(c) for c in text] for text in ("ab", "cd", "ef")]
+        if scenario.cache_salt is None:
+            assert all("cache_salt" not in r for r in requests)
+        else:
+            assert [r["cache_salt"] for r in requests] == ["tenant"] * 3
+    assert len(json.loads(Path(job.result).read_text())["runs"]) == 4
+
+
+def test_salted_scenarios_are_compared_with_the_baseline_under_the_same_salt():
+    """Rows of the same batch size with and without a salt: each its own scenario (its best
+    setting, its baseline), the salt a table column only when some row has one."""
+    runs = synthetic_runs()[:3]
+    runs += [{**r, "cache_salt": "s", "tokens_per_s": 2 * r["tokens_per_s"]} for r in runs]
+    report.mark_best(runs)
+    assert [r["best"] for r in runs] == [True, False, True] * 2
+    report.validate_result(synthetic_result(runs))
+    table = read_markdown_table(report.offline_table(runs))
+    assert [(row["salt"], row["method"], row["tok/s (median)"]) for row in table] == [
+        ("–", "none", "10.0"),
+        ("–", "lookup_tree", "14.0"),
+        ("s", "none", "20.0"),
+        ("s", "lookup_tree", "28.0"),
+    ]
+    assert "salt" not in read_markdown_table(report.offline_table(runs[:3]))[0]
+    assert report.scenario_key(runs[0]) == (1, 0.0, None) and report.scenario_key(runs[3]) == (1, 0.0, "s")
 
 
 def test_plan_runs_every_draft_model_engine_again_with_the_draft_vocabulary():
