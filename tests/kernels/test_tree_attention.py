@@ -15,9 +15,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess
-import sys
-import textwrap
 from dataclasses import dataclass
 from unittest import mock
 
@@ -450,74 +447,3 @@ def test_topology_format():
     assert seen[0].nonzero().flatten().tolist() == [*range(10), 10, 12]
     with pytest.raises(ValueError):
         allowed_keys(depth2, context_len=12, tree_base=13)  # the rows' own keys must be in the window
-
-
-# ------------------------------------------------------- compile for GPUs
-_AOT_SCRIPT = textwrap.dedent(
-    """
-    import os, subprocess, sys, warnings
-    warnings.filterwarnings("ignore")
-    import triton, triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia import compiler as nvc
-    from triton.compiler import ASTSource
-    from vllm_specbeam.kernels import kv_move, tree_attention
-
-    CUOBJDUMP = os.path.join(os.path.dirname(nvc.__file__), "bin", "cuobjdump")
-
-    def compile_one(fn, types, constexprs, arch, num_warps, tag):
-        # What the JIT would specialise on: 16-aligned pointers and strides.
-        sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                 if sig[a].startswith("*") or a in types.get("_aligned", ())}
-        k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": num_warps})
-        path = f"/tmp/specbeam_{os.getpid()}_{tag}.cubin"
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True).stdout
-        os.remove(path)
-        line = next(l for l in usage.splitlines() if "REG:" in l)
-        print(tag, " ".join(line.split()[:3]), "smem", k.metadata.shared, flush=True)
-
-    ta = tree_attention._tree_attention_kernel
-    strides = [a for a in ta.arg_names if a.startswith("stride") and a not in ("stride_bt_req", "stride_tm_row")]
-    for dt, arch, d, qpkv, block_q, tile_n, warps, base in [
-        ("fp16", 80, 128, 4, 16, 32, 8, False), ("bf16", 90, 256, 8, 4, 16, 8, True),
-        ("fp16", 80, 64, 1, 64, 32, 4, True),
-    ]:
-        types = {"q_ptr": "*" + dt, "k_cache_ptr": "*" + dt, "v_cache_ptr": "*" + dt, "out_ptr": "*" + dt,
-                 "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "tree_base_ptr": "*i32", "tree_mask_ptr": "*i64", "qk_scale": "fp32", "_aligned": strides,
-                 **{a: "i32" for a in ta.arg_names if a.startswith("stride")}}
-        const = dict(QPKV=qpkv, QPKV_PAD=qpkv, HEAD_SIZE=d, HEAD_SIZE_PAD=d, BLOCK_SIZE=16, BLOCK_Q=block_q,
-                     TILE_N=tile_n, NUM_WORDS=2, HAS_TREE_BASE=base, DOT_IN_FP32=False)
-        compile_one(ta, types, const, arch, warps, f"tree_attention_{dt}_sm{arch}_d{d}_g{qpkv}")
-    km = kv_move._kv_move_kernel
-    types = {"layer_ptrs": "*i64", "src_slots_ptr": "*i64", "dst_slots_ptr": "*i64", "cu_moves_ptr": "*i64",
-             "stride_blk": "i64", "stride_head": "i32", "stride_slot": "i32"}
-    const = dict(NUM_HEADS=8, CONTENT=256, BLOCK_SIZE=16, TILE=1024, ELEM=tl.int16)
-    compile_one(km, types, const, 80, 4, "kv_move_int16_sm80")
-    """
-)
-
-
-def test_kernels_compile_for_gpus_without_spills():
-    """Full NVIDIA pipeline down to a cubin (ptxas), no GPU needed; no register spills."""
-    from importlib.util import find_spec
-
-    if find_spec("triton.backends.nvidia") is None:
-        pytest.skip("Triton has no NVIDIA backend")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=170
-    )
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "No such file" in proc.stderr:
-        pytest.skip("ptxas missing")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 4, proc.stdout
-    for line in lines:
-        assert "STACK:0" in line, f"register spills: {line}"
