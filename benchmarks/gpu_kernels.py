@@ -46,6 +46,8 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +152,12 @@ def render_markdown(data: dict) -> str:
     if data["environment"]:
         lines += ["", "## Environment", ""]
         lines += [f"- {key}: {value}" for key, value in data["environment"].items()]
-    tests = data["tests"]
+    lines += _tests_section(data["tests"]) + _benchmark_section(data["benchmark"])
+    return "\n".join(lines) + "\n"
+
+
+def _tests_section(tests: dict) -> list[str]:
+    lines: list[str] = []
     if tests:
         lines += ["", "## Kernel tests", ""]
         if "command" in tests:
@@ -167,7 +174,11 @@ def render_markdown(data: dict) -> str:
                 lines += [f"  - `{test}`: {message}" for test, message in tests[key].items()]
         if tests.get("slowest"):
             lines.append("- slowest: " + ", ".join(f"`{name}` {sec:.1f} s" for name, sec in tests["slowest"]))
-    bench = data["benchmark"]
+    return lines
+
+
+def _benchmark_section(bench: dict) -> list[str]:
+    lines: list[str] = []
     if bench["config"] or bench["attention"] or bench["kv_move"] or bench["errors"]:
         lines += ["", "## Benchmark", ""]
         if bench["config"]:
@@ -193,7 +204,7 @@ def render_markdown(data: dict) -> str:
                 markdown_table(bench["kv_move"], KV_MOVE_COLUMNS),
             ]
         lines += [f"- error: {error}" for error in bench["errors"]]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # ------------------------------------------------------- child processes
@@ -538,10 +549,8 @@ def benchmark_child(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from benchmarks import bench_kernels as bk
     from vllm_specbeam.kernels import kv_move as km
     from vllm_specbeam.kernels import tree_attention as ta
-    from vllm_specbeam.kernels.reference import kv_move_ref
 
     def fallback(*_args, **_kwargs):
         raise AssertionError("a kernel fell back to its torch reference")
@@ -577,41 +586,13 @@ def benchmark_child(args: argparse.Namespace) -> int:
         timing=f"median of {reps} after {warmup} warm-up" + (", CUDA events, L2 flushed" if gpu else ", wall clock"),
     )
     timer = _cuda_timer(torch) if gpu else _cpu_timer
-    scale = config.head_size**-0.5
+    timing = Timing(timer, warmup, reps)
     for batch, context, rows in grid:
         if time.monotonic() - began > args.soft_limit:
             emit("error", message=f"stopped before batch {batch} context {context} rows {rows}: time limit")
             return 1
         try:
-            inp = bk.make_inputs(batch, rows - 1, context, config, seed=batch * 1000 + rows)
-            chain = {**inp, "tree_mask": torch.zeros_like(inp["tree_mask"])}
-            dense, dense_chain = bk.dense_inputs(inp), bk.dense_inputs(chain)
-            want = bk.dense_attention(dense, scale, dtype=torch.float32).float()
-            want_chain = bk.dense_attention(dense_chain, scale, dtype=torch.float32).float()
-            tree_out = ta.tree_attention(**inp, max_query_len=rows)
-            chain_out = ta.tree_attention(**chain, max_query_len=rows)
-            sdpa_out = bk.dense_attention(dense, scale)
-            buf = torch.empty_like(inp["q"])
-            qd, kd, vd, mask = dense["q"], dense["k"], dense["v"], dense["mask"]
-            if not gpu:  # CPU SDPA: fp32, as bench_kernels.dense_attention
-                qd, kd, vd = qd.float(), kd.float(), vd.float()
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            row = {
-                "batch": batch,
-                "context": context,
-                "rows": rows,
-                "tree_ms": timer(lambda: ta.tree_attention(**inp, max_query_len=rows, out=buf), warmup, reps),
-                "chain_ms": timer(lambda: ta.tree_attention(**chain, max_query_len=rows, out=buf), warmup, reps),
-                "sdpa_ms": timer(lambda: sdpa(qd, kd, vd, attn_mask=mask, scale=scale), warmup, reps),
-                "gather_sdpa_ms": timer(lambda: bk.dense_masked_baseline(inp), warmup, reps),
-                "tree_max_abs_err": float((tree_out.float() - want).abs().max()),
-                "sdpa_max_abs_err": float((sdpa_out.float() - want).abs().max()),
-                "chain_max_abs_err": float((chain_out.float() - want_chain).abs().max()),
-            }
-            row["sdpa_over_tree"] = row["sdpa_ms"] / row["tree_ms"]
-            row["tree_over_chain"] = row["tree_ms"] / row["chain_ms"]
-            row["agrees"] = max(row["tree_max_abs_err"], row["chain_max_abs_err"]) <= BF16_TOL
-            emit("attention", **row)
+            emit("attention", **_attention_row(batch, context, rows, config, timing, on_gpu=gpu))
         except Exception as error:  # one shape's failure (e.g. a compile error) is reported, the rest still run
             emit(
                 "error",
@@ -620,28 +601,95 @@ def benchmark_child(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(1)
     for batch in (1, 8) if gpu else (2,):
         try:
-            case = bk.kv_move_case(batch, config, rng, **move_case)
-            layers, src, dst, cu = case["layers"], case["src"], case["dst"], case["cu"]
-            expected = [layer.clone() for layer in layers]
-            kv_move_ref(expected, src, dst)
-            ptrs = km.layer_pointer_table(layers)
-            km.kv_move(layers, src, dst, cu, ptrs)
-            exact = all(torch.equal(got, want) for got, want in zip(layers, expected))
-            row = {
-                "batch": batch,
-                **move_case,
-                "layers": config.num_layers,
-                "moves": int(src.numel()),
-                "mib_moved": case["bytes_moved"] / 2**20,
-                "kernel_ms": timer(lambda: km.kv_move(layers, src, dst, cu, ptrs), warmup, reps),
-                "torch_ms": timer(lambda: kv_move_ref(layers, src, dst), warmup, reps),
-                "exact": exact,
-            }
-            row["torch_over_kernel"] = row["torch_ms"] / row["kernel_ms"]
-            emit("kv_move", **row)
+            emit("kv_move", **_kv_move_row(batch, config, rng, move_case, timing))
         except Exception as error:
             emit("error", message=f"KV move batch {batch}: {type(error).__name__}: {error}"[:500])
     return 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How the benchmark times a call: ``timer(fn, warmup, reps)`` gives its median in ms."""
+
+    timer: Callable[[Callable[[], Any], int, int], float]
+    warmup: int
+    reps: int
+
+    def ms(self, fn: Callable[[], Any]) -> float:
+        return self.timer(fn, self.warmup, self.reps)
+
+
+def _attention_row(
+    batch: int, context: int, rows: int, config: argparse.Namespace, timing: Timing, on_gpu: bool
+) -> dict[str, Any]:
+    """Tree attention over the paged cache against SDPA with the same mask and against a chain of
+    the same rows: times, and each output's largest error from fp32 SDPA."""
+    import torch
+
+    from benchmarks import bench_kernels as bk
+    from vllm_specbeam.kernels import tree_attention as ta
+
+    scale = config.head_size**-0.5
+    inp = bk.make_inputs(batch, rows - 1, context, config, seed=batch * 1000 + rows)
+    chain = {**inp, "tree_mask": torch.zeros_like(inp["tree_mask"])}
+    dense, dense_chain = bk.dense_inputs(inp), bk.dense_inputs(chain)
+    want = bk.dense_attention(dense, scale, dtype=torch.float32).float()
+    want_chain = bk.dense_attention(dense_chain, scale, dtype=torch.float32).float()
+    tree_out = ta.tree_attention(**inp, max_query_len=rows)
+    chain_out = ta.tree_attention(**chain, max_query_len=rows)
+    sdpa_out = bk.dense_attention(dense, scale)
+    buf = torch.empty_like(inp["q"])
+    qd, kd, vd, mask = dense["q"], dense["k"], dense["v"], dense["mask"]
+    if not on_gpu:  # CPU SDPA: fp32, as bench_kernels.dense_attention
+        qd, kd, vd = qd.float(), kd.float(), vd.float()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    row = {
+        "batch": batch,
+        "context": context,
+        "rows": rows,
+        "tree_ms": timing.ms(lambda: ta.tree_attention(**inp, max_query_len=rows, out=buf)),
+        "chain_ms": timing.ms(lambda: ta.tree_attention(**chain, max_query_len=rows, out=buf)),
+        "sdpa_ms": timing.ms(lambda: sdpa(qd, kd, vd, attn_mask=mask, scale=scale)),
+        "gather_sdpa_ms": timing.ms(lambda: bk.dense_masked_baseline(inp)),
+        "tree_max_abs_err": float((tree_out.float() - want).abs().max()),
+        "sdpa_max_abs_err": float((sdpa_out.float() - want).abs().max()),
+        "chain_max_abs_err": float((chain_out.float() - want_chain).abs().max()),
+    }
+    row["sdpa_over_tree"] = row["sdpa_ms"] / row["tree_ms"]
+    row["tree_over_chain"] = row["tree_ms"] / row["chain_ms"]
+    row["agrees"] = max(row["tree_max_abs_err"], row["chain_max_abs_err"]) <= BF16_TOL
+    return row
+
+
+def _kv_move_row(
+    batch: int, config: argparse.Namespace, rng: Any, move_case: dict[str, int], timing: Timing
+) -> dict[str, Any]:
+    """The KV-move kernel against a torch index copy: exactness first, then both timed."""
+    import torch
+
+    from benchmarks import bench_kernels as bk
+    from vllm_specbeam.kernels import kv_move as km
+    from vllm_specbeam.kernels.reference import kv_move_ref
+
+    case = bk.kv_move_case(batch, config, rng, **move_case)
+    layers, src, dst, cu = case["layers"], case["src"], case["dst"], case["cu"]
+    expected = [layer.clone() for layer in layers]
+    kv_move_ref(expected, src, dst)
+    ptrs = km.layer_pointer_table(layers)
+    km.kv_move(layers, src, dst, cu, ptrs)
+    exact = all(torch.equal(got, want) for got, want in zip(layers, expected))
+    row = {
+        "batch": batch,
+        **move_case,
+        "layers": config.num_layers,
+        "moves": int(src.numel()),
+        "mib_moved": case["bytes_moved"] / 2**20,
+        "kernel_ms": timing.ms(lambda: km.kv_move(layers, src, dst, cu, ptrs)),
+        "torch_ms": timing.ms(lambda: kv_move_ref(layers, src, dst)),
+        "exact": exact,
+    }
+    row["torch_over_kernel"] = row["torch_ms"] / row["kernel_ms"]
+    return row
 
 
 def _cuda_timer(torch):
