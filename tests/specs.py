@@ -15,4 +15,12 @@ ADED = {"method": "aded", "num_speculative_tokens": 3, "max_nodes": 12, "iterati
 ADED_AUTO = {**ADED, "max_nodes": "auto", "auto_max_nodes": 12}
 #: draft-model methods: add ``"model"``
 #: the draft alone (``"lookup"`` is ``"global"`` unless set: test_hybrid_lookup_engine's ``HYBRID``)
-MCSD = {"method": "mcsd", "num_speculative_tokens": 4, "max_nodes": 14, "k_config": [2, 2], "lookup": "off"}
+#: the paper's stopping rule (``"stop_threshold": "auto"``, the default, prices drafting by measured costs instead)
+MCSD = {
+    "method": "mcsd",
+    "num_speculative_tokens": 4,
+    "max_nodes": 14,
+    "k_config": [2, 2],
+    "lookup": "off",
+    "stop_threshold": 0.5,
+}

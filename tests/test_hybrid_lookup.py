@@ -35,7 +35,8 @@ from vllm_specbeam.core.budget import (
     StepCost,
     lookup_first,
 )
-from vllm_specbeam.core.config import METHODS, SpecbeamConfigError, parse
+from vllm_specbeam.core.config import AUTO, METHODS, SpecbeamConfigError, parse
+from vllm_specbeam.core.controller import StepPrices
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.draft_runtime.lookup import (
@@ -45,7 +46,7 @@ from vllm_specbeam.draft_runtime.lookup import (
     mixed_tree,
     root_tokens,
 )
-from vllm_specbeam.methods.mcsd.drafter import McsdDrafter, _Growth
+from vllm_specbeam.methods.mcsd.drafter import UNPRICED_THRESHOLD, McsdDrafter, _Growth
 
 # ---------------------------------------------------------------- the mixed tree's law, enumerated
 LOOKUPS = {
@@ -216,15 +217,15 @@ def test_the_step_cost_cuts_the_lookup_to_the_nodes_that_pay() -> None:
     d = learnt(hybrid(runtime, max_nodes=8, k_config=[1], stop_threshold=0.0), 0.95, 0.5)
     assert d.cuts_to_step_cost
     request = DraftRequest("r", np.array(REPEATS), d.options)
-    d.plan_step(1, DEAR_ROWS)
+    d.plan_step(StepPrices(1, DEAR_ROWS))
     tree = d.propose([request])[0]
     assert tree.tokens.tolist() == [9, 10] and runtime.synced == [] and runtime.deferred == ["r"]
     d.propose([DraftRequest("r", np.array([*REPEATS, 9, 10, 11, 12, 99]), d.options)])
     counts = d.lookup.values.requests["r"].counts  # judged: the 8-node chain against 5 committed tokens
     assert counts.trials.sum() == 5 and counts.hits.sum() == 4
-    d.plan_step(1, StepCost(intercept=0.010, slope=0.0))  # rows free: the whole chain
+    d.plan_step(StepPrices(1, StepCost(intercept=0.010, slope=0.0)))  # rows free: the whole chain
     assert d.propose([request])[0].num_nodes == 8
-    d.plan_step(8, DEAR_ROWS)  # 8 requests' own rows already past the knee: no node pays
+    d.plan_step(StepPrices(8, DEAR_ROWS))  # 8 requests' own rows already past the knee: no node pays
     assert d.propose([request])[0].num_nodes == 0
 
 
@@ -283,7 +284,7 @@ def test_a_fill_left_out_by_the_threshold_is_tried_again_on_a_back_off() -> None
     absorbing state). A fill left out retries after 1, 2, 4, 8 steps without it."""
     runtime = DeferringRuntime()
     d = hybrid(runtime, max_nodes=8, k_config=[1])
-    assert d.options["stop_threshold"] == 0.5
+    assert d.options["stop_threshold"] == AUTO and UNPRICED_THRESHOLD == 0.5  # unpriced: the threshold
     assert drive(d, runtime, [1, 2, 3], [novel] * 30) == [0, 2, 5, 10, 19, 28]
 
 

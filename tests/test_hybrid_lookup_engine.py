@@ -117,7 +117,7 @@ def _draft_runs(worker, runs: bool) -> None:
     lookup = worker.model_runner.tree_drafter.lookup
     if not runs:
         split = lookup.split
-        lookup.split = lambda requests, fills: [dataclasses.replace(s, fill_nodes=0) for s in split(requests, fills)]
+        lookup.split = lambda *args, **kwargs: [dataclasses.replace(s, fill_nodes=0) for s in split(*args, **kwargs)]
     else:
         del lookup.split  # the class's again
 

@@ -207,9 +207,9 @@ def _defer_until_decoding(worker, batch: int) -> None:
     lookup = worker.model_runner.tree_drafter.lookup
     split, opened = lookup.split, [False]
 
-    def gated(requests, fills):
+    def gated(requests, fills, **kwargs):
         opened[0] = opened[0] or len(requests) == batch
-        splits = split(requests, fills)
+        splits = split(requests, fills, **kwargs)
         return splits if opened[0] else [replace(s, fill_nodes=0) for s in splits]
 
     lookup.split = gated

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -522,7 +523,7 @@ class WorkerDraftRuntime:
             raise RuntimeError("WorkerDraftRuntime.bind must run after the runner's initialize_kv_cache")
         answered: list[torch.Tensor] = []  # per forward: [rows the call answers, hidden]
         for forward in _split(feeds, self.max_rows):
-            hidden = self._run(forward.feeds)  # [forward.rows, hidden]
+            hidden = self._timed_run(forward.feeds)  # [forward.rows, hidden]
             if last_only:
                 ends = torch.tensor(forward.last_rows, dtype=torch.int64, device=self.device)  # [feeds it ends]
                 hidden = hidden[ends]  # [feeds it ends, hidden]
@@ -538,19 +539,26 @@ class WorkerDraftRuntime:
             logits = self._vocab_logits(self.model.compute_logits(hidden))
         return list(logits.cpu().split(counts))  # host sync off CPU: the drafters sample on the host
 
+    def _timed_run(self, feeds: list[_Feed]) -> torch.Tensor:
+        """:meth:`_run`, its seconds and rows reported to the runner (what prices a draft forward)."""
+        start = time.perf_counter()
+        hidden = self._run(feeds)
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)  # host sync: the forward's time (its logits are read next)
+        self.runner.record_draft_forward(int(hidden.shape[0]), time.perf_counter() - start)
+        return hidden
+
     def _run(self, feeds: list[_Feed]) -> torch.Tensor:
         """One draft forward over the feeds' rows, writing their K/V: the hidden states ``[T, hidden]``."""
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        self.runner.tree_counts.draft_forwards += 1
         for feed in feeds:
             self._written(feed.blocks, feed.slots)
         device = self.device
         rows = torch.stack([f.blocks for f in feeds]).to(device)  # [R, max_blocks]
         counts = [len(f.tokens) for f in feeds]
         starts = np.concatenate([[0], np.cumsum(counts)])  # [R + 1]
-        self.runner.tree_counts.draft_rows += int(starts[-1])
         slots = torch.cat([self._slots(f.blocks, f.slots) for f in feeds]).to(device)  # [T]
         query_start = torch.from_numpy(starts.astype(np.int32))  # [R + 1]
         seq_lens = torch.tensor([f.seq_len for f in feeds], dtype=torch.int32)  # [R]

@@ -39,8 +39,9 @@ from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import check_tree_attention, distinct_kv_caches, move_kv_slots, tree_step
 from vllm_specbeam.adapter.draft_model import SearchDraftRuntime, WorkerDraftRuntime, uses_worker_draft
 from vllm_specbeam.adapter.engine_config import CACHE_SALT_KEY, plugin_config
-from vllm_specbeam.core.budget import FILL_KIND, StepBudget, StepCost
+from vllm_specbeam.core.budget import FILL_KIND, StepBudget, StepCost, StepCostModel
 from vllm_specbeam.core.config import AUTO, METHODS, SpecbeamConfig, node_cap
+from vllm_specbeam.core.controller import StepPrices, Switch
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.core.verifiers.base import TreeVerifier
@@ -261,9 +262,24 @@ class TreeCounts:
     budget_idle: int = 0
     budget_drafted: int = 0
     budget_kept: int = 0
+    #: the goodput controller (exact methods): decode steps after which drafts were asked for,
+    #: those the whole batch skipped (vLLM's plain step: nothing drafted, verified or fed to a
+    #: draft), and the steps that asked again after such a rest
+    steps: int = 0
+    steps_off: int = 0
+    steps_probed: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)
+
+
+def cost_stats(prefix: str, cost: StepCost | None) -> dict[str, float]:
+    """A fitted line as stats: ``prefix_intercept_s``, ``_per_row_s``, ``_knee_rows``, ``_bend_s``
+    (each row past ``knee`` rows costs ``per_row + bend``); none before it was fitted."""
+    if cost is None:
+        return {}
+    values = {"intercept_s": cost.intercept, "per_row_s": cost.slope, "knee_rows": cost.knee, "bend_s": cost.bend}
+    return {f"{prefix}_{name}": value for name, value in values.items()}
 
 
 class TreeRunnerMixin:
@@ -297,6 +313,12 @@ class TreeRunnerMixin:
         #: each step's nodes for ``"max_nodes": "auto"`` requests (methods whose trees may be cut), and
         #: the step cost for drafters that cut their own trees by it (lookup branches of draft-model methods)
         self.budget = StepBudget() if METHODS[config.method].prunable or self.tree_drafter.cuts_to_step_cost else None
+        #: seconds of the in-worker draft's forwards by rows, fitted as the target's steps are
+        self.draft_cost_model = StepCostModel()
+        self.draft_cost: StepCost | None = None
+        #: whether the batch drafts at all (exact methods: lossy ones draft what their output means)
+        self.switch = Switch() if self.budget is not None and METHODS[config.method].exact else None
+        self._resting = False
         self._timed_step: TimedStep | None = None
         self._timed_steps = 0
         self._budget_logged = time.monotonic()
@@ -319,21 +341,11 @@ class TreeRunnerMixin:
     def tree_stats(self) -> dict[str, int | float | list[int]]:
         """The counters as a plain dict, for readers through ``LLM.collective_rpc``
         (tests, benchmarks), and the drafter's memory and cross-request index now (not counters)."""
-        cost = None if self.budget is None else self.budget.cost
-        # the budget's fitted cost, once it has one (not a counter: readers take it as is);
-        # each row past ``knee`` rows costs ``slope + bend``
-        line = (
-            {}
-            if cost is None
-            else {
-                "step_cost_intercept_s": cost.intercept,
-                "step_cost_per_row_s": cost.slope,
-                "step_cost_knee_rows": cost.knee,
-                "step_cost_bend_s": cost.bend,
-            }
-        )
+        # the fitted costs, once there are (not counters: readers take them as they are)
+        lines = {**cost_stats("step_cost", None if self.budget is None else self.budget.cost)}
+        lines.update(cost_stats("draft_cost", self.draft_cost))
         drafter = self.tree_drafter
-        return {**self.tree_counts.as_dict(), STATE_BYTES: drafter.state_bytes, **drafter.index_stats, **line}
+        return {**self.tree_counts.as_dict(), STATE_BYTES: drafter.state_bytes, **drafter.index_stats, **lines}
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -392,9 +404,18 @@ class TreeRunnerMixin:
         if ran and self.draft_runtime is not None:
             # Every step, drafting or not (vLLM skips the drafter on some steps):
             # blocks the target computed must hold the draft's K/V before a prefix hit reuses them.
+            start = time.perf_counter()
             self.draft_runtime.sync_step()
+            if self._timed_step is not None:  # the draft's time, not the target's rows'
+                self._timed_step.draft_seconds += time.perf_counter() - start
             self.tree_counts.steps_without_draft_forward += self.tree_counts.draft_forwards == forwards
         return output
+
+    def record_draft_forward(self, rows: int, seconds: float) -> None:
+        """One forward of the in-worker draft (:class:`WorkerDraftRuntime`): counted, and fitted."""
+        self.tree_counts.draft_forwards += 1
+        self.tree_counts.draft_rows += rows
+        self.draft_cost_model.observe(rows, seconds)
 
     @override
     def _update_states(self, scheduler_output: SchedulerOutput) -> Callable[..., Any] | None:
@@ -456,6 +477,8 @@ class TreeRunnerMixin:
             self._timed_steps += 1
             if self._timed_steps % BUDGET_REFIT_STEPS == 1:
                 self.budget.cost = self._same_on_every_rank(self.budget.refresh())
+                if self.draft_cost_model.observed:
+                    self.draft_cost = self._same_on_every_rank(self.draft_cost_model.fit())
         rows = scheduler_output.total_num_scheduled_tokens
         drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
         requests = len(scheduler_output.num_scheduled_tokens)
@@ -463,8 +486,8 @@ class TreeRunnerMixin:
         self._timed_step = TimedStep(rows, now) if decoding and rows > 0 else None
 
     def _same_on_every_rank(self, cost: StepCost | None) -> StepCost | None:
-        """Rank 0's cost line on every tensor-parallel rank: each rank drafts and
-        prunes for itself, and they must keep the same nodes. (vLLM 0.32.0
+        """Rank 0's cost line (the target's or the draft's) on every tensor-parallel rank: each
+        rank drafts and prunes for itself, and they must keep the same nodes. (vLLM 0.32.0
         vllm/distributed/parallel_state.py: ``get_tp_group``,
         ``GroupCoordinator.broadcast_object``.)"""
         from vllm.distributed.parallel_state import get_tp_group
@@ -619,6 +642,8 @@ class TreeRunnerMixin:
 
     @override
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._tree_step is None:  # no tree in this step: vLLM's forward as it is
+            return super()._model_forward(*args, **kwargs)
         with tree_step(self._tree_step):
             return super()._model_forward(*args, **kwargs)
 
@@ -776,13 +801,19 @@ class TreeRunnerMixin:
         from vllm.v1.outputs import DraftTokenIds
 
         batch = self.input_batch
+        if self.budget is not None:
+            for index, (req_id, sampled) in enumerate(zip(batch.req_ids, sampled_token_ids)):
+                if sampled:
+                    self.budget.observe_committed(req_id, sampled, int(batch.num_tokens_no_spec[index]))
+        if not self._drafts_this_step():
+            return [[] for _ in batch.req_ids]
+        counts = self.tree_counts
+        before = (counts.budget_drafted - counts.budget_kept, counts.budget_idle)
         requests, positions, automatic = [], [], []
         for index, req_id in enumerate(batch.req_ids):
             state = self.requests[req_id]
             params = state.sampling_params
             num_tokens = int(batch.num_tokens_no_spec[index])
-            if self.budget is not None and sampled_token_ids[index]:
-                self.budget.observe_committed(req_id, sampled_token_ids[index], num_tokens)
             if not sampled_token_ids[index] or params is None or not request_supports_trees(params):
                 continue
             # A step commits the accepted drafts and one target token: with 5 tokens left to
@@ -816,7 +847,7 @@ class TreeRunnerMixin:
         max_len = self.vllm_config.model_config.max_model_len
         start = time.perf_counter()
         if self.budget is not None and self.tree_drafter.cuts_to_step_cost:
-            self.tree_drafter.plan_step(self.input_batch.num_reqs, self.budget.cost)
+            self.tree_drafter.plan_step(StepPrices(self.input_batch.num_reqs, self.budget.cost, self.draft_cost))
         trees = self.tree_drafter.propose(requests)
         elapsed = time.perf_counter() - start
         self.tree_counts.draft_seconds += elapsed
@@ -829,8 +860,29 @@ class TreeRunnerMixin:
             tree = tree.truncate(max(0, min(tree.num_nodes, max_len - request.token_ids.size - 1)))
             self._proposed[request.req_id] = tree
             drafts[index] = tree.tokens.tolist()
+        if self.switch is not None:  # a step that verifies nothing because its drafts did not pay rests the batch
+            cut = (counts.budget_drafted - counts.budget_kept, counts.budget_idle) != before
+            self.switch.after(drafted=any(drafts) or not (cut or self.tree_drafter.priced_out))
         self._step_drafts = DraftTokenIds(list(batch.req_ids), drafts)
         self._log_budget()
+        return drafts
+
+    def _drafts_this_step(self) -> bool:
+        """Whether this step asks the drafter at all (:class:`~vllm_specbeam.core.controller.Switch`).
+        A step that does not is vLLM's plain decode step: no drafts go to the scheduler, so the
+        next forward builds no tree and samples with vLLM's sampler, and the draft model feeds
+        nothing (it catches up at its next sync)."""
+        counts = self.tree_counts
+        counts.steps += 1
+        drafts = self.switch is None or self.switch.drafts(self.input_batch.req_ids)
+        counts.steps_off += not drafts
+        if drafts and self._resting:  # a probe: every request drafts, none still sitting out
+            counts.steps_probed += 1
+            assert self.budget is not None  # a switch runs only with one
+            self.budget.wake()
+        self._resting = not drafts
+        if not drafts and self.draft_runtime is not None:
+            self.draft_runtime.defer(self.input_batch.req_ids)
         return drafts
 
     def _keep_what_pays(

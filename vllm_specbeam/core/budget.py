@@ -254,6 +254,8 @@ class BackOff:
     left: int = 0
     #: the rest after the next fruitless try
     next: int = 1
+    #: the longest rest
+    most: int = MAX_REST
 
     def allows(self) -> bool:
         """Whether this request-step may try (one step of rest passes either way)."""
@@ -266,7 +268,7 @@ class BackOff:
         if paid:
             self.next = max(1, self.next // 2)
         else:
-            self.left, self.next = self.next, min(2 * self.next, MAX_REST)
+            self.left, self.next = self.next, min(2 * self.next, self.most)
 
 
 @dataclass
@@ -300,6 +302,11 @@ class StepBudget:
         """The fitted line now (``None`` before any step was timed)."""
         return self.cost_model.fit() if self.cost_model.observed else None
 
+    def wake(self) -> None:
+        """Every request drafts at its next step, none sitting out (the batch probes after a rest)."""
+        for state in self.requests.values():
+            state.idle = 0
+
     def draft_cap(self, req_id: str, cap: int) -> int:
         """Nodes to ask ``req_id``'s drafter for this step: 0 while it sits out
         after drafts that were pruned to nothing, else room to grow past what
@@ -324,6 +331,12 @@ class StepBudget:
         state.counts.add(trials, hits, REQUEST_DECAY)
         self.engine.add(trials, hits, ENGINE_DECAY)
 
+    def judge(self, req_id: str, token_ids: np.ndarray) -> None:
+        """Judge ``req_id``'s last tree by the tokens committed since (``token_ids``: all of the request's)."""
+        state = self.requests.get(req_id)
+        if state is not None and state.drafted is not None:
+            self.observe_committed(req_id, token_ids[state.drafted_at :].tolist(), token_ids.size)
+
     def engine_rates(self) -> np.ndarray:
         """The engine-wide acceptance rate per cell (a uniform prior: 1/2 before anything was seen)."""
         return (self.engine.hits + 1.0) / (self.engine.trials + 2.0)
@@ -331,7 +344,7 @@ class StepBudget:
     def rates(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
         """``c[kind bucket, depth bucket, rank bucket]`` for one request, non-increasing in rank."""
         engine = self.engine_rates() if engine_rates is None else engine_rates
-        counts = self.requests[req_id].counts
+        counts = self.requests.setdefault(req_id, RequestBudget()).counts
         rate = (counts.hits + PRIOR_TRIALS * engine) / (counts.trials + PRIOR_TRIALS)
         return np.minimum.accumulate(rate.reshape(KIND_BUCKETS, DEPTH_BUCKETS, RANK_BUCKETS), axis=2)
 
@@ -384,6 +397,8 @@ class LookupShare:
     values: list[float]
     #: how many of the fill's first nodes the draft model may add (0: it does not run)
     fill_nodes: int
+    #: the values of those of them below the root (the draft's first level)
+    fill_first: list[float] = field(default_factory=list)
 
 
 def lookup_first(lookup: DraftTree, fill: DraftTree, budget: int, rates: np.ndarray, min_value: float) -> LookupShare:
@@ -417,8 +432,10 @@ def lookup_first(lookup: DraftTree, fill: DraftTree, budget: int, rates: np.ndar
     best = best[np.isfinite(values[best])]
     kept = np.zeros(lookup.num_nodes, bool)  # [lookup nodes]: a parent is never worth less than its child
     kept[best[best < lookup.num_nodes]] = True
+    drafted = best[best >= lookup.num_nodes]  # [fill nodes kept]
     return LookupShare(
         lookup if kept.all() else lookup.keep(kept),
         values[: lookup.num_nodes][kept].tolist(),
-        int(np.sum(best >= lookup.num_nodes)),
+        int(drafted.size),
+        values[drafted[parents[drafted] == ROOT]].tolist(),
     )

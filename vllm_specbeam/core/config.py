@@ -38,8 +38,10 @@ class Option:
     choices: tuple[Any, ...] | None = None
     #: False for options that shape engine-wide state (files, models)
     per_request: bool = True
-    #: also takes :data:`AUTO` (then the default may be it; other values are ints)
+    #: also takes :data:`AUTO` (then the default may be it; other values are ``kind``)
     auto: bool = False
+    #: the type of its values other than :data:`AUTO` (``None``: the default's, ``int`` if that is :data:`AUTO`)
+    kind: type[Any] | None = None
 
     def check(self, name: str, value: Any) -> Any:
         if self.auto and value == AUTO:
@@ -50,7 +52,7 @@ class Option:
                 f"per-step budget may cut take it: {sorted(m for m, e in METHODS.items() if e.prunable)}); "
                 f"give a number"
             )
-        kind = int if self.auto else type(self.default)
+        kind = self.kind or (int if self.auto else type(self.default))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not kind:
@@ -141,6 +143,9 @@ class Method:
     #: its drafts are deterministic and its verifiers take any subtree: the
     #: per-step budget may cut them (``"max_nodes": "auto"``, the default)
     prunable: bool = False
+    #: its greedy output is the target's and its sampling the target's law (``dsbd``'s beams and ``mjsd``'s
+    #: joint rule are not): the goodput controller may switch its drafting off under load
+    exact: bool = True
 
     def drafter_class(self) -> type[TreeDrafter]:
         return _load(self.drafter)
@@ -179,6 +184,7 @@ METHODS: dict[str, Method] = {
         greedy_verifier="vllm_specbeam.methods.dsbd.verifier:DsbdGreedyVerifier",
         sampling_verifier="vllm_specbeam.methods.dsbd.verifier:DsbdVerifier",
         chain_verifier=None,
+        exact=False,
     ),
     "mcsd": Method("vllm_specbeam.methods.mcsd.drafter:McsdDrafter", needs_draft_model=True),
     "mjsd": Method(
@@ -187,6 +193,7 @@ METHODS: dict[str, Method] = {
         greedy_verifier="vllm_specbeam.methods.mjsd.verifier:MjsdGreedyVerifier",
         sampling_verifier="vllm_specbeam.methods.mjsd.verifier:MjsdVerifier",
         chain_verifier=None,
+        exact=False,
     ),
     "aded": Method("vllm_specbeam.methods.aded.drafter:AdedDrafter", prunable=True),
 }

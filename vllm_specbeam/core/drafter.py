@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from vllm_specbeam.core.budget import StepCost
+from vllm_specbeam.core.controller import StepPrices
 from vllm_specbeam.core.tree import DraftTree
 
 
@@ -89,12 +89,18 @@ class TreeDrafter(ABC):
     @property
     def cuts_to_step_cost(self) -> bool:
         """Whether the drafter cuts its trees by what a step costs (:meth:`plan_step`): the runner then
-        times its steps, as for ``"max_nodes": "auto"``."""
+        times its steps, as for ``"max_nodes": "auto"``, and its draft model's forwards."""
         return False
 
-    def plan_step(self, batch_size: int, cost: StepCost | None) -> None:
-        """Before :meth:`propose`, when :attr:`cuts_to_step_cost`: the step's ``batch_size`` requests and
-        the fitted seconds of a step by rows (``None`` until steps were timed)."""
+    def plan_step(self, prices: StepPrices) -> None:
+        """Before :meth:`propose`, when :attr:`cuts_to_step_cost`: the step's requests and the fitted
+        seconds of a step by rows and of a draft forward by rows (``None`` until measured)."""
+
+    @property
+    def priced_out(self) -> bool:
+        """Whether the last :meth:`propose` left drafts out for their price alone (:meth:`plan_step`):
+        a step that then verifies nothing lets the runner rest the batch (the goodput controller)."""
+        return False
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free per-request state: the request finished, was aborted or preempted."""

@@ -40,11 +40,11 @@ from vllm_specbeam.core.budget import (
     LookupShare,
     RequestBudget,
     StepBudget,
-    StepCost,
-    keep_what_pays,
+    choose_nodes,
     lookup_first,
 )
-from vllm_specbeam.core.config import TREE_OPTIONS
+from vllm_specbeam.core.config import AUTO, TREE_OPTIONS
+from vllm_specbeam.core.controller import DraftGate, StepLedger, StepPrices
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 from vllm_specbeam.draft_runtime.base import DraftRuntime
@@ -75,6 +75,10 @@ class LookupSplit:
     judged: DraftTree
     #: how many of the fill's first nodes the draft may add (0: no draft forward for it this step)
     fill_nodes: int
+    #: the verified lookup nodes' values summed (expected accepted tokens)
+    value: float = 0.0
+    #: the values of the fill's first-level nodes among ``fill_nodes``
+    fill_first: tuple[float, ...] = ()
 
 
 class LookupBranches:
@@ -100,10 +104,13 @@ class LookupBranches:
         #: engine depth: a request drafting shallower (per request, or near its max_tokens) draws lookup
         #: branches no deeper than its depth
         self.engine_depth = int(options["num_speculative_tokens"])
-        #: the step being drafted (:meth:`LookupFirstDrafter.plan_step`): its requests and the runner's
-        #: fitted seconds of a step by rows
-        self.batch_size = 0
-        self.cost: StepCost | None = None
+        #: the step being drafted (:meth:`LookupFirstDrafter.plan_step`): its requests and what the runner
+        #: measured of a step's rows and draft forwards
+        self.prices = StepPrices(0, None)
+        #: which requests a priced draft drafts for (:meth:`propose` given a ledger)
+        self.gate = DraftGate()
+        #: whether the last step cut lookup nodes or the draft for their price
+        self.priced_out = False
 
     def request(self, request: DraftRequest) -> DraftRequest:
         """``request`` with the lookup drafter's options."""
@@ -114,10 +121,14 @@ class LookupBranches:
         lookup = {**self.options, "num_speculative_tokens": depth, "max_nodes": options["max_nodes"]}
         return dataclasses.replace(request, options=lookup)
 
-    def split(self, requests: Sequence[DraftRequest], fills: Sequence[DraftTree]) -> list[LookupSplit]:
+    def split(
+        self, requests: Sequence[DraftRequest], fills: Sequence[DraftTree], auto_threshold: float | None = None
+    ) -> list[LookupSplit]:
         """Per request: its lookup nodes and the draft's room (``fill``: the largest tree the draft
-        could grow), then the batch's lookup nodes cut to those that pay for their rows
-        (:func:`~vllm_specbeam.core.budget.keep_what_pays` under :attr:`cost`, as ``lookup_tree``'s
+        could grow; its first level held to ``stop_threshold``, ``auto_threshold`` for ``"auto"``,
+        or, with ``None``, to nothing: :meth:`priced` decides), then the batch's lookup nodes cut
+        to those that pay for their rows
+        (:func:`~vllm_specbeam.core.budget.choose_nodes` under :attr:`prices`, as ``lookup_tree``'s
         ``"max_nodes": "auto"``; the fill's rows are counted as fixed)."""
         found = self.drafter.propose([self.request(r) for r in requests])
         engine = self.values.engine_rates()
@@ -133,6 +144,8 @@ class LookupBranches:
             rates = self.values.rates(request.req_id, engine)
             # a method without a stopping threshold (dsbd) drafts every fill node the budget leaves
             min_value = request.options.get("stop_threshold", 0.0)
+            if min_value == AUTO:
+                min_value = auto_threshold or 0.0
             budget = request.options["max_nodes"]
             split = lookup_first(lookup, fill, budget, rates, min_value)
             missed = self.without_lookup[request.req_id] = (
@@ -152,14 +165,48 @@ class LookupBranches:
                     split = dataclasses.replace(waived, fill_nodes=1)
             elif split.fill_nodes > 0 and not may_catch_up:
                 split = lookup_first(lookup, fill, budget, rates, np.inf)  # the lookup's branches alone
-            if split.fill_nodes > 0:
-                self.drafted_at[request.req_id] = tokens.size
             out.append(split)
         lookups = [share.lookup for share in out]
-        if self.cost is not None:
-            rows = self.batch_size + sum(share.fill_nodes for share in out)
-            lookups = keep_what_pays(lookups, [share.values for share in out], self.batch_size, rows, self.cost)
-        return [LookupSplit(cut, share.lookup, share.fill_nodes) for cut, share in zip(lookups, out)]
+        masks = [np.ones(tree.num_nodes, bool) for tree in lookups]
+        if self.prices.target is not None:
+            batch = self.prices.batch_size
+            rows = batch + sum(share.fill_nodes for share in out)
+            masks = choose_nodes(lookups, [share.values for share in out], batch, rows, self.prices.target)
+        self.priced_out = not all(mask.all() for mask in masks)
+        return [
+            LookupSplit(
+                tree if mask.all() else tree.keep(mask),
+                tree,
+                share.fill_nodes,
+                float(np.asarray(share.values)[mask].sum()),
+                tuple(share.fill_first),
+            )
+            for tree, mask, share in zip(lookups, masks, out)
+        ]
+
+    def priced(
+        self, requests: Sequence[DraftRequest], splits: list[LookupSplit], ledger: StepLedger
+    ) -> list[LookupSplit]:
+        """``splits`` with the lookup nodes' values and rows in ``ledger``, and the draft only for the
+        ``"stop_threshold": "auto"`` requests whose first level pays for its forward
+        (:class:`~vllm_specbeam.core.controller.DraftGate`, valued by the learnt rates; the forward is
+        charged here, the levels as they are drafted)."""
+        ledger.add(sum(split.value for split in splits), sum(split.verified.num_nodes for split in splits))
+        candidates = [
+            k
+            for k, (r, split) in enumerate(zip(requests, splits))
+            if split.fill_nodes > 0 and r.options.get("stop_threshold") == AUTO
+        ]
+        if not candidates:
+            return splits
+        first = [splits[k].fill_first for k in candidates]
+        drafting = self.gate.choose(ledger, [sum(values) for values in first], [len(values) for values in first])
+        self.priced_out |= len(drafting) < len(candidates)
+        chosen = {candidates[k]: 1 if ledger.probing else splits[candidates[k]].fill_nodes for k in drafting}
+        return [
+            dataclasses.replace(split, fill_nodes=chosen.get(k, 0)) if k in candidates else split
+            for k, split in enumerate(splits)
+        ]
 
     def propose(
         self,
@@ -168,12 +215,20 @@ class LookupBranches:
         fills: Sequence[DraftTree],
         draft: DraftFill,
         mix: Mix = lambda request, lookup, drafted: mixed_tree(lookup, drafted),
+        ledger: StepLedger | None = None,
+        unpriced_threshold: float | None = None,
     ) -> list[DraftTree]:
         """Every request's tree: its lookup branches (:meth:`split`), then ``draft``'s nodes for
-        those the lookup leaves room for, mixed by ``mix``; the others run no draft forward
-        (``runtime.defer``) and get ``mix(request, lookup, DraftTree.empty())``."""
-        splits = self.split(requests, fills)
+        those the lookup leaves room for (and, given the step's ``ledger``, whose draft pays:
+        :meth:`priced`; ``unpriced_threshold``: what ``"stop_threshold": "auto"`` means without
+        one), mixed by ``mix``; the others run no draft forward (``runtime.defer``) and get
+        ``mix(request, lookup, DraftTree.empty())``."""
+        splits = self.split(requests, fills, auto_threshold=None if ledger is not None else unpriced_threshold)
+        if ledger is not None:
+            splits = self.priced(requests, splits, ledger)
         drafting = [k for k, split in enumerate(splits) if split.fill_nodes > 0]
+        for k in drafting:
+            self.drafted_at[requests[k].req_id] = requests[k].token_ids.size
         runtime.defer([r.req_id for r, split in zip(requests, splits) if split.fill_nodes == 0])
         drafted = dict(
             zip(
@@ -273,13 +328,17 @@ class LookupFirstDrafter:
     def cuts_to_step_cost(self) -> bool:
         return self.lookup is not None
 
-    def plan_step(self, batch_size: int, cost: StepCost | None) -> None:
+    def plan_step(self, prices: StepPrices) -> None:
         assert self.lookup is not None  # asked only when cuts_to_step_cost
-        self.lookup.batch_size, self.lookup.cost = batch_size, cost
+        self.lookup.prices = prices
 
     @staticmethod
     def salted_index(options: Mapping[str, Any]) -> bool:
         return options["lookup"] == "global" and options["index_isolation"] == "salt"
+
+    @property
+    def priced_out(self) -> bool:
+        return self.lookup is not None and self.lookup.priced_out
 
     @property
     def learns_across_requests(self) -> bool:

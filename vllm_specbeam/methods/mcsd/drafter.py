@@ -6,15 +6,13 @@ tokens (greedy) or ``k`` draws without replacement from ``q`` (sampling), all
 requests' new levels in one draft forward
 (:meth:`~vllm_specbeam.draft_runtime.base.DraftRuntime.extend_many`).
 
-**Dynamic depth.** Before a next level, a stopping rule scores each frontier
-node's ``q`` row (the estimated acceptance of the token drafted from it): drafting
-goes on while some node scores at least ``stop_threshold`` (Lu et al. 2024). The
-score is a trained stop model's (:mod:`~vllm_specbeam.methods.mcsd.stopping`) or
-the draft's top-1 probability. The first level is always drafted.
-
-**Target-initialised candidates.** Lu et al.'s first level from the target is the
-token each step commits already, so their ``[W, 1, 1, ...]`` is ``k_config: [1]``
-here (rationale: docs/mcsd.md).
+**Dynamic depth.** Each frontier node's ``q`` row is scored (the estimated acceptance
+of its next token: a trained stop model's, :mod:`~.stopping`, or q's top-1 probability).
+With ``"stop_threshold": "auto"`` (the default), once the runner has priced a step's rows
+and the draft's forwards (:meth:`plan_step`), scores are node values and every level and
+draft forward must raise the step's expected tokens per second (:mod:`vllm_specbeam.core.controller`);
+else drafting goes on while some node scores the threshold (Lu et al. 2024; ``auto``: 0.5).
+``k_config: [1]`` is the paper's target-initialised ``[W, 1, 1, ...]`` (docs/methods/mcsd.md).
 
 **Lookup branches** (``"lookup": "global"``, the default, or ``"request"``): the tree
 starts with ``lookup_tree``'s branches and the draft fills what they leave, or does not
@@ -28,13 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from vllm_specbeam.core.config import LOOKUP_OPTIONS, Option, SpecbeamConfigError
+from vllm_specbeam.core.budget import StepBudget, TreeShape, path_values
+from vllm_specbeam.core.config import AUTO, LOOKUP_OPTIONS, Option, SpecbeamConfigError
+from vllm_specbeam.core.controller import DraftGate, StepLedger, StepPrices, paying_share
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.draft_runtime import lookup as lookup_branches
@@ -54,6 +55,9 @@ from vllm_specbeam.methods.mcsd.maths import (
     level_widths,
     sampled_candidates,
 )
+
+#: ``"stop_threshold": "auto"`` before the runner has priced a step, and for a probe
+UNPRICED_THRESHOLD = 0.5
 
 
 @functools.lru_cache(maxsize=64)
@@ -93,8 +97,13 @@ class _Growth:
         root_logits: torch.Tensor,
         cap: int | None = None,
         exclude: Sequence[int] = (),
+        priced: bool = False,
     ) -> None:
         self.req_id = request.req_id
+        #: each level and draft forward priced (:func:`_levels_that_pay`), else held to ``threshold``
+        threshold = request.options["stop_threshold"]
+        self.priced = priced and threshold == AUTO
+        self.threshold = UNPRICED_THRESHOLD if threshold == AUTO else float(threshold)
         #: most nodes to draft (``None``: the whole ``widths`` tree), and first-level tokens not to draft
         self.cap = cap
         self.exclude = torch.tensor(list(exclude), dtype=torch.int64)  # [excluded]
@@ -109,9 +118,28 @@ class _Growth:
         self.paths: list[tuple[int, ...]] = [()]  # of the frontier rows
         self.probs: list[torch.Tensor] = []  # per level [nodes, V]: the q each node was drawn from
         self.levels = 0
+        #: per frontier node: its estimated chance of acceptance, and its parent row's score
+        self.values = [1.0]
+        self.hints = [1.0]
 
-    def grow(self, generator: torch.Generator) -> tuple[list[int], list[int]]:
-        """Add the next level below the frontier; its tokens and parents."""
+    def level_value(self, scored: list[list[float]]) -> tuple[float, int]:
+        """The next level's expected accepted tokens and its nodes, from the frontier rows' scores
+        (:meth:`McsdDrafter._score`: per row, the best token's score, then q's next probabilities)."""
+        width = self.widths[self.levels]
+        nodes = len(self.frontier) * width
+        if self.cap is not None:
+            nodes = min(nodes, self.cap - len(self.tokens))
+        values = [v * (row[j] if j < len(row) else 0.0) for v, row in zip(self.values, scored) for j in range(width)]
+        return sum(values[:nodes]), nodes
+
+    def next_guess(self) -> float:
+        """The next level's expected accepted tokens before its rows are scored: each frontier
+        node's value times its parent row's score (confidence persists from one depth to the next)."""
+        return sum(v * h for v, h in zip(self.values, self.hints))
+
+    def grow(self, generator: torch.Generator, scored: list[list[float]] | None = None) -> tuple[list[int], list[int]]:
+        """Add the next level below the frontier; its tokens and parents. ``scored``: the frontier
+        rows' scores (:meth:`level_value`), from which the new nodes' values follow."""
         width = self.widths[self.levels]
         excluding = self.levels == 0 and self.exclude.numel() > 0
         if self.temperature:
@@ -129,9 +157,14 @@ class _Growth:
         tokens = chosen.reshape(-1).tolist()
         parents = [p for p in self.frontier for _ in range(chosen.shape[1])]
         paths = [path + (t,) for path, row in zip(self.paths, chosen.tolist()) for t in row]
+        if scored is not None:
+            ranks = range(chosen.shape[1])
+            self.values = [v * (row[j] if j < len(row) else 0.0) for v, row in zip(self.values, scored) for j in ranks]
+            self.hints = [row[0] for row in scored for _ in ranks]
         if self.cap is not None and len(self.tokens) + len(tokens) >= self.cap:  # the cap ends the tree here
             left = self.cap - len(self.tokens)
             tokens, parents, paths = tokens[:left], parents[:left], paths[:left]
+            self.values, self.hints = self.values[:left], self.hints[:left]
             if self.probs:
                 self.probs[-1] = self.probs[-1][:left]
             self.levels = len(self.widths) - 1
@@ -157,6 +190,42 @@ class _Growth:
         return DraftTree(tokens, np.asarray(self.parents, np.int64), probs)
 
 
+@functools.lru_cache(maxsize=64)
+def _first_level(k_config: tuple[int, ...]) -> TreeShape:
+    """The first level of a configuration's trees, as the learnt rates value it."""
+    return TreeShape.of(largest_tree(k_config, 1))
+
+
+def rows_reach(scored: list[list[float]], threshold: float) -> bool:
+    """The unpriced stopping rule: some frontier row's score reaches ``threshold``."""
+    return max(row[0] for row in scored) >= threshold
+
+
+def _levels_that_pay(
+    growing: list[_Growth], scored: list[list[list[float]]], ledger: StepLedger
+) -> tuple[list[_Growth], list[list[list[float]]]]:
+    """The growths whose next level is drafted, with their scores: the unpriced ones, and the
+    priced ones whose level, valued by its rows' scores, pays for its verified rows (most valuable
+    first, each added to ``ledger``)."""
+    levels = [g.level_value(rows) if g.priced else (0.0, 0) for g, rows in zip(growing, scored)]
+    order = sorted(range(len(growing)), key=lambda k: -levels[k][0] / max(levels[k][1], 1))
+    kept = sorted(k for k in order if not growing[k].priced or ledger.take(*levels[k]))
+    return [growing[k] for k in kept], [scored[k] for k in kept]
+
+
+def _extends_that_pay(growing: list[_Growth], ledger: StepLedger) -> list[_Growth]:
+    """The growths whose frontier the next draft forward feeds: the unpriced ones, and the priced
+    ones whose next level's guessed value pays for its rows and their share of the forward
+    (charged to ``ledger``; the unpriced ones' rows are fed whatever it costs)."""
+    priced = [g for g in growing if g.priced]
+    fixed = sum(len(g.frontier) for g in growing if not g.priced)
+    nodes = [len(g.frontier) for g in priced]
+    chosen = paying_share(ledger, [g.next_guess() for g in priced], nodes, nodes, fixed)
+    ledger.add(0.0, 0, [fixed + sum(nodes[k] for k in chosen)])
+    extending = {id(priced[k]) for k in chosen}
+    return [g for g in growing if not g.priced or id(g) in extending]
+
+
 class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
     """Multi-candidate trees with dynamic depth (see the module docstring)."""
 
@@ -180,10 +249,14 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
             per_request=False,
         ),
         "stop_threshold": Option(
-            0.5,
-            "draft one more level while some frontier node's estimated acceptance is at least this (0 = never stop)",
+            AUTO,
+            "auto: draft a level, and run the draft at all, only where it raises the step's expected tokens per "
+            "second under the measured costs (docs/budget.md; 0.5 until they are measured); a number: draft one "
+            "more level while some frontier node's estimated acceptance is at least this (0 = never stop)",
             0.0,
             1.0,
+            auto=True,
+            kind=float,
         ),
         "collect": Option(
             False, "record scored rows for `vllm-specbeam mcsd train` (the command sets it)", per_request=False
@@ -234,15 +307,68 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         self.collect = bool(self.options.get("collect", False))
         self._scored: dict[str, _Scored] = {}
         self._collected: list[StopData] = []
+        #: what the runner measured (:meth:`plan_step`); ``None``: drafting unpriced (the threshold decides)
+        self.prices: StepPrices | None = None
+        #: without lookup branches: the draft's acceptance per depth and rank, learnt from the committed
+        #: tokens, and which requests a priced draft drafts for (with them, the lookup's own)
+        self.values = StepBudget()
+        self.gate = DraftGate()
+        self._priced_out = False
+
+    @property
+    def cuts_to_step_cost(self) -> bool:
+        return True
+
+    def plan_step(self, prices: StepPrices) -> None:
+        self.prices = prices
+        if self.lookup is not None:
+            super().plan_step(prices)
+
+    @property
+    def priced_out(self) -> bool:
+        return self._priced_out if self.lookup is None else super().priced_out
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
         if self.collect:
             self._label(requests)
+        ledger = None if self.prices is None else StepLedger.of(self.prices)
         if self.lookup is None:
-            return self._draft(runtime, requests, [None] * len(requests), [[] for _ in requests])
+            return self._draft_alone(runtime, requests, ledger)
         fills = [_shape(tuple(r.options["k_config"]), r.options["num_speculative_tokens"]) for r in requests]
-        return self.lookup.propose(runtime, requests, fills, lambda rs, caps, ex: self._draft(runtime, rs, caps, ex))
+        return self.lookup.propose(
+            runtime,
+            requests,
+            fills,
+            lambda rs, caps, ex: self._draft(runtime, rs, caps, ex, ledger),
+            ledger=ledger,
+            unpriced_threshold=UNPRICED_THRESHOLD,
+        )
+
+    def _draft_alone(
+        self, runtime: DraftRuntime, requests: list[DraftRequest], ledger: StepLedger | None
+    ) -> list[DraftTree]:
+        """The draft's trees without lookup branches; priced, only for the requests whose first
+        level's learnt value pays for the draft forward (the others run none: ``runtime.defer``)."""
+        for request in requests:
+            self.values.judge(request.req_id, request.token_ids)
+        drafting, caps = list(range(len(requests))), list[int | None]([None] * len(requests))
+        self._priced_out = False
+        if ledger is not None:
+            gated = [k for k, r in enumerate(requests) if r.options["stop_threshold"] == AUTO]
+            shapes = [_first_level(tuple(requests[k].options["k_config"])) for k in gated]
+            first = [path_values(shape, self.values.rates(requests[k].req_id)) for shape, k in zip(shapes, gated)]
+            chosen = [gated[k] for k in self.gate.choose(ledger, [sum(v) for v in first], [len(v) for v in first])]
+            self._priced_out = len(chosen) < len(gated)
+            drafting = sorted(set(drafting) - set(gated) | set(chosen))
+            caps = [1 if ledger.probing and k in chosen else None for k in drafting]
+            runtime.defer([r.req_id for k, r in enumerate(requests) if k not in drafting])
+        trees = [DraftTree.empty() for _ in requests]
+        asked = [requests[k] for k in drafting]
+        for k, tree in zip(drafting, self._draft(runtime, asked, caps, [[] for _ in asked], ledger)):
+            trees[k] = tree
+            self.values.drafted(requests[k].req_id, tree, requests[k].token_ids.size)
+        return trees
 
     def _draft(
         self,
@@ -250,46 +376,60 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         requests: list[DraftRequest],
         caps: Sequence[int | None],
         excludes: Sequence[Sequence[int]],
+        ledger: StepLedger | None = None,
     ) -> list[DraftTree]:
         """The draft model's trees: at most ``caps`` nodes each (``None``: the ``k_config`` tree),
-        first levels without the ``excludes`` tokens."""
+        first levels without the ``excludes`` tokens; given the step's ``ledger``, each level
+        and each draft forward only where it pays (else ``stop_threshold`` decides)."""
         widths = [level_widths(r.options["k_config"], r.options["num_speculative_tokens"]) for r in requests]
         reserve = [sum(level_sizes(r.options["k_config"], len(w))[:-1]) for r, w in zip(requests, widths)]
         reserve = [n if cap is None else min(n, cap) for n, cap in zip(reserve, caps)]
         synced = runtime.sync_many([(r.req_id, r.token_ids, n) for r, n in zip(requests, reserve)])
+        priced = ledger is not None and not ledger.probing  # a probe is drafted whatever it costs
         growths = [
-            None if logits is None else _Growth(r, w, logits, cap, exclude)
+            None if logits is None else _Growth(r, w, logits, cap, exclude, priced)
             for r, w, logits, cap, exclude in zip(requests, widths, synced, caps, excludes)
         ]
         growing = [g for g in growths if g is not None]
-        if self.collect and growing:
-            self._score(growing, [len(r.token_ids) for r, g in zip(requests, growths) if g is not None])
+        scored = None
+        if growing and (self.collect or priced):
+            scored = self._score(growing, [len(r.token_ids) for r, g in zip(requests, growths) if g is not None])
         while growing:
-            levels = [(g, g.grow(self.generator)) for g in growing]
+            if ledger is not None and scored is not None:
+                growing, scored = _levels_that_pay(growing, scored, ledger)
+            rows_of = scored if scored is not None else [None] * len(growing)
+            levels = [(g, g.grow(self.generator, rows)) for g, rows in zip(growing, rows_of)]
             growing = [g for g, _ in levels if not g.done]
+            if ledger is not None:
+                growing = _extends_that_pay(growing, ledger)
             if not growing:
                 break
-            logits = runtime.extend_many([(g.req_id, *level) for g, level in levels if not g.done])
+            extending = set(map(id, growing))
+            logits = runtime.extend_many([(g.req_id, *level) for g, level in levels if id(g) in extending])
             for g, rows in zip(growing, logits):
                 g.rows = rows
-            scores = self._score(growing, None)
-            growing = [g for g, score in zip(growing, scores) if score >= g.options["stop_threshold"]]
+            scored = self._score(growing, None)
+            kept = [k for k, (g, rows) in enumerate(zip(growing, scored)) if g.priced or rows_reach(rows, g.threshold)]
+            growing, scored = [growing[k] for k in kept], [scored[k] for k in kept]
         return [
             DraftTree.empty() if g is None else g.tree(r.options["k_config"], r.options["num_speculative_tokens"])
             for r, g in zip(requests, growths)
         ]
 
     # ------------------------------------------------------------ the stopping rule
-    def _score(self, growing: list[_Growth], lengths: list[int] | None) -> list[float]:
-        """Each request's best frontier score (estimated acceptance of the next token), all
-        requests at once: one host sync per depth. ``lengths``: the root rows, recorded only."""
+    def _score(self, growing: list[_Growth], lengths: list[int] | None) -> list[list[list[float]]]:
+        """Each request's frontier rows scored, all requests at once (one host sync per depth): per
+        row the estimated acceptance of its best token (the stop model's, else q's top probability),
+        then q's next :data:`~.stopping.NUM_TOP` - 1 probabilities. ``lengths``: the root rows, recorded only."""
         rows = torch.cat([g.rows for g in growing])  # [frontier rows of all requests, V]
         features = stopping.stop_features(rows)  # [rows, F]
         scores = features[:, 0] if self.stop_model is None else self.stop_model.probability(features)
         counts = [g.rows.shape[0] for g in growing]
         if self.collect:
             self._record(growing, features.split(counts), lengths)
-        return [float(s.max()) for s in scores.split(counts)]  # host sync
+        table = torch.cat([scores[:, None], features[:, 1 : stopping.NUM_TOP]], dim=1).tolist()  # host sync
+        starts = np.cumsum([0, *counts]).tolist()
+        return [table[start:end] for start, end in itertools.pairwise(starts)]
 
     def _record(self, growing: list[_Growth], features: Sequence[torch.Tensor], lengths: list[int] | None) -> None:
         for k, (g, rows) in enumerate(zip(growing, features)):

@@ -1,0 +1,161 @@
+"""The goodput controller (core/controller.py) and the priced ``mcsd`` drafter, without an engine.
+
+The maths against its worked examples and brute force; the drafter on the fake
+runtime of ``test_mcsd`` under planted prices: free rows and forwards keep the
+whole tree, dear ones switch the draft off but for its back-off probes.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import numpy as np
+import pytest
+from test_hybrid_lookup import DeferringRuntime
+from test_mcsd import drafter, request
+
+from vllm_specbeam.core.budget import StepCost
+from vllm_specbeam.core.controller import MAX_OFF_STEPS, DraftGate, StepLedger, StepPrices, Switch, paying_share
+
+#: 38 ms + 0.5 ms a row: C(4) = 40 ms, C(8) = 42 ms (the module docstring's example)
+TARGET = StepCost(0.038, 0.0005)
+FREE = StepCost(0.0, 0.0)
+#: a row or a draft forward that costs a hundred steps
+DEAR = StepCost(1.0, 1.0)
+
+
+def test_the_module_example() -> None:
+    ledger = StepLedger.of(StepPrices(4, TARGET, StepCost(0.002, 0.001)))  # D(4) = 6 ms
+    assert ledger is not None and ledger.seconds == pytest.approx(0.040)
+    assert ledger.pays(2.4, 4, [4])  # 6.4 / 48 ms > 4 / 40 ms
+    slow = StepLedger.of(StepPrices(4, TARGET, StepCost(0.036, 0.001)))  # D(4) = 40 ms
+    assert slow is not None and not slow.pays(2.4, 4, [4])  # 6.4 / 82 ms
+    assert StepLedger.of(StepPrices(4, None)) is None  # nothing timed yet: no price
+
+
+def test_take_adds_only_what_pays() -> None:
+    ledger = StepLedger.of(StepPrices(4, TARGET, StepCost(0.002, 0.001)))
+    assert ledger is not None
+    assert ledger.take(2.4, 4, [4]) and ledger.tokens == 6.4 and ledger.rows == 8
+    assert ledger.seconds == pytest.approx(0.048)
+    assert not ledger.take(0.0, 1) and ledger.rows == 8  # nothing to gain: never taken
+    assert ledger.draft_price([0]) == 0.0  # a forward of no rows is no forward
+
+
+def test_the_paying_share_example() -> None:
+    knee = StepCost(0.040, 0.0, knee=4, bend=0.0005)
+    ledger = StepLedger.of(StepPrices(4, knee, StepCost(0.006, 0.001)))
+    assert ledger is not None
+    assert paying_share(ledger, [0.1, 0.9, 0.8], [1, 1, 1], [1, 1, 1]) == [1, 2]
+    assert ledger.tokens == 4.0  # choosing adds nothing
+
+
+def goodput(ledger: StepLedger, gains, rows, fed, chosen) -> float:
+    more = [sum(fed[k] for k in chosen)] if chosen else []
+    return (ledger.tokens + sum(gains[k] for k in chosen)) / (
+        ledger.seconds + ledger.price(sum(rows[k] for k in chosen), more)
+    )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_paying_share_equals_brute_force(seed: int) -> None:
+    """With equal rows and fed rows per candidate the best share of size k is the k most valuable:
+    the share chosen is as good as the best of every subset."""
+    rng = np.random.default_rng(seed)
+    target = StepCost(rng.uniform(0.01, 0.05), rng.uniform(0, 0.003), knee=int(rng.integers(2, 12)), bend=0.002)
+    ledger = StepLedger.of(StepPrices(int(rng.integers(1, 9)), target, StepCost(rng.uniform(0, 0.02), 0.001)))
+    assert ledger is not None
+    count, width = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+    gains, rows, fed = rng.uniform(0, 1.5, count).tolist(), [width] * count, [1] * count
+    chosen = paying_share(ledger, gains, rows, fed)
+    best = max(
+        goodput(ledger, gains, rows, fed, list(subset))
+        for size in range(count + 1)
+        for subset in combinations(range(count), size)
+    )
+    assert goodput(ledger, gains, rows, fed, chosen) == pytest.approx(best)
+
+
+def test_the_switch_example() -> None:
+    """Empty steps 0 and 2, a probe at 5 that keeps nodes, one more empty step at 6: off at 1, 3-4, 7-8."""
+    switch, batch, off = Switch(), ["a", "b"], []
+    for step in range(10):
+        if not switch.drafts(batch):
+            off.append(step)
+            continue
+        switch.after(drafted=step == 5 or step > 8)
+    assert off == [1, 3, 4, 7, 8]
+
+
+def test_the_switch_rests_at_most_max_off_steps_and_probes_when_the_batch_changes() -> None:
+    switch, batch, drafted = Switch(), ["a"], []
+    for step in range(200):
+        if switch.drafts(batch):
+            drafted.append(step)
+            switch.after(drafted=False)
+    assert max(np.diff(drafted)) == MAX_OFF_STEPS + 1  # rests grow to MAX_OFF_STEPS, then stay
+    assert not switch.drafts(batch) and switch.off
+    assert switch.drafts(["a", "b"])  # a request came: the load it was judged at is gone
+
+
+def test_the_gate_probes_the_best_request_alone_on_a_back_off() -> None:
+    gate, probes = DraftGate(), []
+    for step in range(30):
+        ledger = StepLedger.of(StepPrices(2, TARGET, DEAR))
+        assert ledger is not None
+        chosen = gate.choose(ledger, [0.2, 0.7], [1, 1])
+        if chosen:
+            assert chosen == [1] and ledger.probing
+            probes.append(step)
+    assert probes == [0, 2, 5, 10, 19, 28]
+    ledger = StepLedger.of(StepPrices(2, TARGET, FREE))
+    assert ledger is not None
+    assert gate.choose(ledger, [0.2, 0.7], [1, 1]) == [0, 1] and not ledger.probing
+    assert ledger.draft_seconds == 0.0 and ledger.rows == 2  # the forward is charged, the levels are not
+
+
+# ---------------------------------------------------------------- the priced mcsd drafter
+def priced(prices: StepPrices, **overrides):
+    runtime = DeferringRuntime()
+    d = drafter(runtime, **overrides)
+    d.plan_step(prices)
+    return d, runtime
+
+
+@pytest.mark.parametrize("k_config", [[1], [2, 2]])
+def test_free_rows_and_forwards_keep_the_whole_tree(k_config: list[int]) -> None:
+    """Nothing to pay: every level pays, however unsure the draft (rows flat past depth 1), as
+    with no threshold at all; a planted price on either rows or forwards cuts the tree."""
+    d, runtime = priced(StepPrices(1, FREE, FREE), k_config=k_config)
+    tree = d.propose([request(d, [5, 6])])[0]
+    unpriced, _ = priced(StepPrices(1, None), k_config=k_config, stop_threshold=0.0)
+    assert tree.tokens.tolist() == unpriced.propose([request(unpriced, [5, 6])])[0].tokens.tolist()
+    assert tree.max_depth == 4 and runtime.deferred == []
+    for prices in (StepPrices(1, TARGET, StepCost(0.2, 0.0)), StepPrices(1, StepCost(0.01, 0.05), FREE)):
+        d, _ = priced(prices, k_config=k_config)
+        assert 0 < d.propose([request(d, [5, 6])])[0].num_nodes < tree.num_nodes
+
+
+def test_depth_follows_the_price_of_a_draft_forward() -> None:
+    """The draft is sure (top-1 ~ 0.99) at every depth: each level is worth almost a token, so the
+    deeper the cheaper its forwards; the target's rows cost 0.5 ms on a 40 ms step."""
+    depths = []
+    for forward in (0.0, 0.010, 0.040, 0.200):
+        d, _ = priced(StepPrices(1, TARGET, StepCost(forward, 0.0)), num_speculative_tokens=8, max_nodes=64)
+        depths.append(d.propose([request(d, [5, 6])])[0].max_depth)
+    assert depths[0] == 8 and depths == sorted(depths, reverse=True) and depths[-1] < depths[0]
+
+
+def test_dear_forwards_switch_the_draft_off_but_for_probes() -> None:
+    """No draft forward pays: the draft syncs only on the gate's back-off, one node each."""
+    d, runtime = priced(StepPrices(1, TARGET, DEAR), k_config=[2])
+    tokens, drafted = [5, 6], []
+    for step in range(30):
+        d.plan_step(StepPrices(1, TARGET, DEAR))
+        tree = d.propose([request(d, tokens)])[0]
+        if tree.num_nodes:
+            assert tree.num_nodes == 1
+            drafted.append(step)
+        tokens.append(1000 + step)
+    assert drafted == [0, 2, 5, 10, 19, 28] and len(runtime.synced) == len(drafted)
+    assert len(runtime.deferred) == 30 - len(drafted)

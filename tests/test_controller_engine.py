@@ -1,0 +1,148 @@
+"""The goodput controller inside vLLM: off steps are vLLM's plain steps, the draft resumes
+exactly, and outputs stay the target's however the switch flips mid-request."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import greedy, runner_stats, token_ids
+from specs import LOOKUP_AUTO, MCSD
+from test_budget import _plant_cost
+from test_worker_draft import ATOL, _check, _record, wide_draft  # noqa: F401 - wide_draft: a fixture
+
+#: mcsd with its default lookup branches (the draft fills what they leave)
+MCSD_HYBRID = {**MCSD, "lookup": "global", "lookup_depth": 4, "stop_threshold": "auto"}
+
+
+def _watch_steps(worker) -> None:
+    """Count, in the worker, the drafter's calls, the tree steps built, the verifications, and
+    the sampler's rows (vLLM's plain sampler takes one row per request)."""
+    runner = worker.model_runner
+    runner.watched = {"proposed": 0, "tree_steps": 0, "verified": 0, "sampler_rows": [], "requests": []}
+    watched, propose, build, verify = (
+        runner.watched,
+        runner.tree_drafter.propose,
+        runner._build_tree_step,
+        runner._verify,
+    )
+    sampler = runner.sampler.forward
+
+    def counted(name, method):
+        def call(*args, **kwargs):
+            watched[name] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+    def sample(logits, *args, **kwargs):
+        watched["sampler_rows"].append(int(logits.shape[0]))
+        watched["requests"].append(runner.input_batch.num_reqs)
+        return sampler(logits, *args, **kwargs)
+
+    runner.tree_drafter.propose = counted("proposed", propose)
+    runner._build_tree_step, runner._verify = counted("tree_steps", build), counted("verified", verify)
+    runner.sampler.forward = sample
+
+
+def _watched(worker) -> dict:
+    runner = worker.model_runner
+    del runner.tree_drafter.propose, runner._build_tree_step, runner._verify, runner.sampler.forward
+    return runner.watched
+
+
+def _flip_switch(worker, on: int, off: int) -> None:
+    """Plant a switch that drafts ``on`` steps, then rests ``off``, round and round."""
+    switch, step = worker.model_runner.switch, [0]
+
+    def drafts(req_ids):
+        step[0] += 1
+        return step[0] % (on + off) < on
+
+    switch.drafts = drafts
+
+
+def _unflip(worker) -> None:
+    del worker.model_runner.switch.drafts
+
+
+def test_dear_rows_turn_the_batch_off_and_an_off_step_is_vllms_plain_step(engines, prompts, reference) -> None:
+    """Under a planted line where a row costs a hundred steps nothing is ever kept: the batch
+    rests (asking the drafter only to probe), no step builds a tree or verifies, every sample is
+    vLLM's sampler over one row per request, and the outputs are the target's."""
+    llm = engines.get(LOOKUP_AUTO)
+    llm.collective_rpc(_plant_cost, args=(0.01, 1.0))
+    llm.collective_rpc(_watch_steps)
+    before = runner_stats(llm)
+    try:
+        assert token_ids(llm.generate(prompts, greedy())) == reference
+    finally:
+        watched = llm.collective_rpc(_watched)[0]
+        llm.collective_rpc(_plant_cost)
+    stats = {name: runner_stats(llm)[name] - before[name] for name in ("steps", "steps_off", "steps_probed", "nodes")}
+    assert stats["nodes"] == 0 and stats["steps_off"] > stats["steps"] / 2 and stats["steps_probed"] > 0
+    assert watched["proposed"] == stats["steps"] - stats["steps_off"]  # off steps never ask the drafter
+    assert watched["tree_steps"] == 0 and watched["verified"] == 0
+    assert watched["sampler_rows"] == watched["requests"]
+
+
+def test_speculation_comes_back_when_rows_are_free_again(engines, prompts, reference) -> None:
+    llm = engines.get(LOOKUP_AUTO)
+    llm.collective_rpc(_plant_cost, args=(0.01, 1.0))
+    llm.generate(prompts[:4], greedy())
+    llm.collective_rpc(_plant_cost, args=(0.01, 0.0))
+    before = runner_stats(llm)
+    try:
+        assert token_ids(llm.generate(prompts, greedy())) == reference
+    finally:
+        llm.collective_rpc(_plant_cost)
+    after = runner_stats(llm)
+    assert after["nodes"] > before["nodes"] and after["accepted"] > before["accepted"]
+
+
+@pytest.mark.parametrize("spec", [LOOKUP_AUTO, MCSD_HYBRID], ids=["lookup_tree", "mcsd"])
+def test_greedy_exact_with_the_switch_flipping_mid_request(engines, tiny_draft, prompts, reference, spec) -> None:
+    spec = spec if spec["method"] != "mcsd" else {**spec, "model": tiny_draft}
+    llm = engines.get(spec)
+    llm.collective_rpc(_flip_switch, args=(2, 3))
+    before = runner_stats(llm)
+    try:
+        assert token_ids(llm.generate(prompts, greedy())) == reference
+    finally:
+        llm.collective_rpc(_unflip)
+    after = runner_stats(llm)
+    assert after["steps_off"] - before["steps_off"] > 20 and after["accepted"] > before["accepted"]
+
+
+def test_a_draft_resumed_after_a_pause_gives_the_logits_of_one_that_never_paused(engines, wide_draft) -> None:  # noqa: F811
+    """While the batch rests the draft feeds nothing; when it drafts again it catches up on what it
+    missed. Every logit row it then gives equals transformers' on the plain sequence, as a draft
+    that never paused gives (so greedy drafts, and what the target accepts of them, are the same)."""
+    from conftest import make_prompts
+
+    spec = {**MCSD, "model": wide_draft}
+    llm = engines.get(spec)
+    llm.collective_rpc(_record)
+    llm.collective_rpc(_flip_switch, args=(2, 5))
+    before = runner_stats(llm)
+    try:
+        llm.generate(make_prompts(4, seed=3), greedy(24))
+    finally:
+        llm.collective_rpc(_unflip)
+    result = llm.collective_rpc(_check_catch_up, args=(wide_draft,))[0]
+    engines.stop(spec)  # its runtime logs every call
+    stats = result["stats"]
+    assert stats["steps_off"] - before["steps_off"] > 10 and stats["trees"] > before["trees"]
+    # a sync after a pause feeds more than one step can commit (the tree's depth and the target's token)
+    assert result["catch_up"] > MCSD["num_speculative_tokens"] + 1
+    assert result["counts"]["sync"] > 10 and result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL
+
+
+def _check_catch_up(worker, draft: str) -> dict:
+    """:func:`_check`, and the most committed tokens one sync of a request fed after its last."""
+    calls = worker.model_runner.draft_runtime.calls
+    last: dict[str, int] = {}
+    catch_up = 0
+    for kind, req_id, tokens, _, _ in calls:
+        if kind == "sync":
+            catch_up = max(catch_up, len(tokens) - last.get(req_id, len(tokens)))
+            last[req_id] = len(tokens)
+    return {**_check(worker, draft), "catch_up": catch_up}

@@ -1,0 +1,180 @@
+"""The goodput controller's maths: what a step is expected to commit against what it costs.
+
+Every exact method speculates only where it pays. A step verifying ``R`` rows
+costs ``C(R)`` seconds (:class:`~vllm_specbeam.core.budget.StepCost`, fitted to
+the engine's steps) plus the draft model's forwards, each ``D(rows)`` seconds
+(the same hinge, fitted to the draft's own forwards). It commits one token per
+request plus, in expectation, the values of the nodes it verifies. A part of
+the step (a level of draft nodes, the draft forward that yields it) joins only
+if it raises the step's tokens per second::
+
+    (T + gain) / (S + price) > T / S    <=>    gain * S > T * price
+
+Worked example: 4 requests, no node: ``T = 4``, ``C(4) = 40`` ms. The draft's
+first level would add 4 rows (``C(8) = 42`` ms) and 2.4 expected tokens, after
+one draft forward over the 4 requests (``D(4) = 6`` ms): ``6.4 / 48 = 0.133``
+tokens a millisecond against ``0.100``, so it runs. With a draft forward of
+40 ms, ``6.4 / 82 = 0.078``: it does not, and the step is vLLM's plain one.
+
+:class:`StepLedger` keeps that account through one step's drafting;
+:class:`Switch` turns a whole batch's drafting off after steps that chose
+nothing, and probes to come back (rationale: docs/budget.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_specbeam.core.budget import BackOff, StepCost
+
+#: longest run of steps a batch goes without drafting before it probes again (it probes after 1, 2, 4, ...)
+MAX_OFF_STEPS = 16
+
+
+@dataclass(frozen=True)
+class StepPrices:
+    """What the runner measured, handed to a drafter before each step (``None``: not measured yet)."""
+
+    #: requests in the step
+    batch_size: int
+    #: seconds of a target step by rows
+    target: StepCost | None
+    #: seconds of one draft-model forward by rows
+    draft: StepCost | None = None
+
+
+@dataclass
+class StepLedger:
+    """One step's expected committed tokens and its seconds so far, as drafting adds to them."""
+
+    target: StepCost
+    #: ``None``: draft forwards not measured yet, priced at nothing (so that they get measured)
+    draft: StepCost | None
+    tokens: float
+    rows: int
+    draft_seconds: float = 0.0
+    #: the step drafts a probe (:class:`DraftGate`): its one node is drafted whatever it costs
+    probing: bool = False
+
+    @classmethod
+    def of(cls, prices: StepPrices, other_rows: int = 0) -> StepLedger | None:
+        """A step of ``prices.batch_size`` requests, one row each plus ``other_rows`` drafted
+        rows nobody prices; ``None`` before the target's steps were timed."""
+        if prices.target is None:
+            return None
+        return cls(prices.target, prices.draft, float(prices.batch_size), prices.batch_size + other_rows)
+
+    @property
+    def seconds(self) -> float:
+        """The step's seconds so far (a planted free step costs a nanosecond: rates stay defined)."""
+        return max(float(self.target.seconds(self.rows)) + self.draft_seconds, 1e-9)
+
+    def draft_price(self, forwards: Sequence[int]) -> float:
+        """Seconds of draft forwards of these many rows each."""
+        if self.draft is None:
+            return 0.0
+        return sum(float(self.draft.seconds(rows)) for rows in forwards if rows > 0)
+
+    def price(self, rows: int, forwards: Sequence[int] = ()) -> float:
+        """Seconds that ``rows`` more verified rows and draft forwards of ``forwards`` rows add."""
+        more = float(self.target.seconds(self.rows + rows)) - float(self.target.seconds(self.rows))
+        return more + self.draft_price(forwards)
+
+    def pays(self, gain: float, rows: int, forwards: Sequence[int] = ()) -> bool:
+        """Whether ``gain`` expected tokens for ``rows`` rows and ``forwards`` raise tokens per second."""
+        return gain > 0 and gain * self.seconds > self.tokens * self.price(rows, forwards)
+
+    def add(self, gain: float, rows: int, forwards: Sequence[int] = ()) -> None:
+        self.tokens += gain
+        self.draft_seconds += self.draft_price(forwards)
+        self.rows += rows
+
+    def take(self, gain: float, rows: int, forwards: Sequence[int] = ()) -> bool:
+        """:meth:`add` it if it :meth:`pays`; whether it did."""
+        paid = self.pays(gain, rows, forwards)
+        if paid:
+            self.add(gain, rows, forwards)
+        return paid
+
+
+def paying_share(
+    ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int], fixed: int = 0
+) -> list[int]:
+    """Which candidates (each ``gains`` expected tokens for ``rows`` verified rows, feeding ``fed``
+    rows to one draft forward they share with ``fixed`` rows fed whatever it costs) join: the most
+    valuable first, as many as maximise the step's tokens per second, none if no share pays for
+    its part of the forward. Nothing is added to ``ledger``.
+
+    Example: ``T = 4``, ``C(R) = 40 + 0.5 max(0, R - 4)`` ms, ``D(rows) = 6 + 1 rows`` ms, gains
+    ``[0.9, 0.8, 0.1]``, a row and a fed row each: one candidate gives 4.9 / 47.5, two 5.7 / 49,
+    three 5.8 / 50.5: two join (0.1163 tokens a millisecond; 0.1149 with all three).
+    """
+    order = sorted(range(len(gains)), key=lambda k: -gains[k])
+    best, best_rate, tokens, more_rows, more_fed = 0, ledger.tokens / ledger.seconds, ledger.tokens, 0, 0
+    for count, k in enumerate(order, 1):
+        tokens, more_rows, more_fed = tokens + gains[k], more_rows + rows[k], more_fed + fed[k]
+        rate = tokens / (ledger.seconds + ledger.price(more_rows, [fixed + more_fed]) - ledger.draft_price([fixed]))
+        if rate > best_rate:
+            best, best_rate = count, rate
+    return sorted(order[:best])
+
+
+class DraftGate:
+    """Which requests a step's draft model drafts for (:func:`paying_share`).
+
+    A draft's value is learnt only from its tries, so when no share pays, the
+    most valuable request is drafted alone, with one node, on a back-off
+    (after 1, 2, 4, 8 refused steps): a value that fell below its price can
+    rise again, at the price of one small forward in several steps.
+    """
+
+    def __init__(self) -> None:
+        self.rest = BackOff()
+
+    def choose(self, ledger: StepLedger, gains: Sequence[float], rows: Sequence[int]) -> list[int]:
+        """The requests that draft (one row each in the draft's forward: it kept the K/V of what it
+        drafted), their forward charged to ``ledger``; a probe sets :attr:`StepLedger.probing`."""
+        chosen = paying_share(ledger, gains, rows, [1] * len(gains))
+        if chosen:
+            self.rest.after(paid=True)
+        elif gains and self.rest.allows():
+            self.rest.after(paid=False)
+            chosen, ledger.probing = [max(range(len(gains)), key=lambda k: gains[k])], True
+        ledger.add(0.0, 0, [len(chosen)])
+        return chosen
+
+
+class Switch:
+    """Whether a batch drafts at all this step.
+
+    After a step in which nothing was drafted (every tree cut to nothing, every
+    draft forward priced out), the batch rests: its steps are vLLM's plain
+    decode steps, with no drafting. It probes after 1, 2, 4, ... up to
+    :data:`MAX_OFF_STEPS` steps; a probe that keeps nodes turns it back on and
+    halves the next rest, so a batch whose drafts pay one step in a few is not
+    switched on and off every step. A change of batch (a request came or went)
+    probes at once: the load it was judged at is gone.
+
+    Example: empty steps 0 and 2, a probe at 5 that keeps nodes, then one more
+    empty step at 6: off at 1, 3-4; on at 5; off 7-8 (the rest halved from 4 to 2).
+    """
+
+    def __init__(self) -> None:
+        self._rest = BackOff(most=MAX_OFF_STEPS)
+        self._batch: frozenset[str] = frozenset()
+
+    def drafts(self, req_ids: Sequence[str]) -> bool:
+        """Whether this step (of these requests) drafts; a step that does not passes one step of rest."""
+        batch = frozenset(req_ids)
+        if batch != self._batch:
+            self._batch, self._rest.left = batch, 0
+        return self._rest.allows()
+
+    def after(self, drafted: bool) -> None:
+        """Record a drafting step: ``drafted`` when it kept any node for any request."""
+        self._rest.after(paid=drafted)
+
+    @property
+    def off(self) -> bool:
+        return self._rest.left > 0
