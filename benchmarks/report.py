@@ -436,6 +436,10 @@ def assemble(
                     ),
                     "nodes_per_tree": ratio(counters.get("tree_nodes"), counters.get("tree_trees")),
                     "step_cost": record.get("step_cost"),
+                    "steps_off_share": ratio(counters.get("tree_steps_off"), counters.get("tree_steps")),
+                    "nodes_per_step": ratio(counters.get("tree_nodes"), counters.get("tree_steps")),
+                    "target_cost_cell": cost_cell(record.get("step_cost"), "step_cost"),
+                    "draft_cost_cell": cost_cell(record.get("step_cost"), "draft_cost"),
                     "draft_forwards_per_token": ratio(counters.get("tree_draft_forwards"), output_tokens),
                     "off_argmax_per_token": ratio(counters.get("tree_accepted_off_argmax"), output_tokens),
                     "drafter_state_bytes": record.get("drafter_state_bytes"),
@@ -711,6 +715,7 @@ OFFLINE_COLUMNS = (
     ("dsbd width", "mean_width", 2),
     ("steps/token", "steps_per_output_token", 2),
     ("draft share", "draft_time_share", 2),
+    ("steps off", "steps_off_share", 2),
     ("peak RSS MiB", "peak_rss_mib", 0),
     ("loglik/token", "mean_loglik_per_token", 3),
     ("exact match", "exact_match", 2),
@@ -775,12 +780,23 @@ SETTINGS_COLUMNS = (
     ("nodes/tree", "nodes_per_tree", 1),
     ("draft share", "draft_time_share", 2),
     ("draft forwards/token", "draft_forwards_per_token", 2),
+    ("steps off", "steps_off_share", 2),
+    ("nodes/step", "nodes_per_step", 2),
+    ("step ms (fitted)", "target_cost_cell", 0),
+    ("draft forward ms (fitted)", "draft_cost_cell", 0),
     ("accepted off argmax/token", "off_argmax_per_token", 3),
     ("drafter state bytes", "drafter_state_bytes", 0),
     ("loglik/token", "mean_loglik_per_token", 3),
     ("exact match", "exact_match", 2),
     ("divergence", "divergence_cell", 0),
 )
+
+
+def cost_cell(costs: Mapping[str, float] | None, prefix: str) -> str | None:
+    """A fitted line as ``"a + b/row"`` in milliseconds (``docs/budget.md``), e.g. ``"31.2 + 0.40/row"``."""
+    if not costs or f"{prefix}_intercept_s" not in costs:
+        return None
+    return f"{1e3 * costs[f'{prefix}_intercept_s']:.1f} + {1e3 * costs[f'{prefix}_per_row_s']:.2f}/row"
 
 
 def with_divergence_cells(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """The client side of a running ``vllm-specbeam serve``: its ``/metrics`` and model name,
-streamed completions timed per chunk, and concurrency levels of them.
+streamed completions timed per chunk, and concurrency levels of them, each after a fresh
+start (:func:`fresh_start`).
 
 ``serve_bench.py`` measures each method's server with it; ``load.py`` (the load
 test) reads the same ``/metrics`` and model name through :func:`prometheus` and
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
     from benchmarks.host import DtypeChoice
     from benchmarks.plan import EngineSpec
 
-#: (title, key, digits) of the serving table (:func:`benchmarks.report.markdown_table`), one row per level.
+#: (title, key, digits) of the serving table (:func:`benchmarks.report.markdown_table`), one row per
+#: server and level (``level``: the position in the ramp; a concurrency may repeat).
 SERVE_COLUMNS = (
+    ("level", "level", 0),
     ("concurrency", "concurrency", 0),
     ("method", "method", 0),
     ("requests", "requests", 0),
@@ -43,6 +46,14 @@ SERVE_COLUMNS = (
     ("accepted/step", "accepted_per_step", 2),
     ("acceptance", "acceptance_rate", 2),
 )
+#: The worker method (``POST /collective_rpc``) that empties a kind of server's cross-request
+#: memory (the plugin's: ``lookup_tree``'s global scope, a draft-model method's global lookup).
+FORGET_RPC = {"plugin": "specbeam_forget_finished"}
+#: Methods whose cross-request memory HTTP cannot empty: vLLM 0.32's ``/collective_rpc`` runs
+#: only a worker method named by a string (``getattr`` on the worker, string arguments), and
+#: its worker has none that evicts ``suffix``'s cache (``worker.fresh_start`` does it offline
+#: with a function over ``LLM.collective_rpc``).
+KEEPS_MEMORY = ("suffix",)
 #: Prometheus counters (``/metrics``) summed over their label sets.
 PROM_COUNTERS = {
     "accepted": "vllm:spec_decode_num_accepted_tokens_total",
@@ -109,12 +120,18 @@ async def one_request(client: Any, model: str, prompt: str, args: argparse.Names
     }
 
 
+def requests_per_level(args: argparse.Namespace) -> int:
+    """``--num-requests``, raised to the ramp's highest concurrency: every level sends the same
+    requests (request ``i`` the ``i``-th prompt, cycled), so the levels' figures compare."""
+    return max(args.num_requests, *args.concurrency)
+
+
 async def load_level(
     client: Any, model: str, prompts: list[str], concurrency: int, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """``--num-requests`` requests (at least ``concurrency``), at most
-    ``concurrency`` in flight; no new request starts after ``--time-limit``."""
-    count = max(args.num_requests, concurrency)
+    """:func:`requests_per_level` requests, at most ``concurrency`` in flight (started in
+    order); no new request starts after ``--time-limit``."""
+    count = requests_per_level(args)
     gate = asyncio.Semaphore(concurrency)
     deadline = time.monotonic() + args.time_limit
 
@@ -129,28 +146,33 @@ async def load_level(
     results = [r for r in await asyncio.gather(*(gated(i) for i in range(count))) if r is not None]
     duration = time.perf_counter() - start
     counters = report.counter_delta(before, await prom_counters(client))
+    return {"concurrency": concurrency, **level_figures(results, duration, counters)}
+
+
+def _ms_percentile(values: list[float | None], q: float) -> float | None:
+    value = report.percentile(values, q)
+    return None if value is None else value * 1000
+
+
+def level_figures(results: list[dict[str, Any]], duration: float, counters: dict[str, Any]) -> dict[str, Any]:
+    """One level's figures from its requests (:func:`one_request`), its wall time and the
+    server's spec-decode counters over it."""
     tokens = sum(r["tokens"] for r in results)
-
-    def pct(values: list[float | None], q: float) -> float | None:
-        value = report.percentile(values, q)
-        return None if value is None else value * 1000
-
     itl = [gap for r in results for gap in r["itl"]]
     figures = report.spec_figures(
         tokens, int(counters["accepted"]), int(counters["draft_tokens"]), int(counters["drafts"]), len(results)
     )
     return {
-        "concurrency": concurrency,
         "requests": len(results),
         "duration_s": duration,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / duration,
         "requests_per_s": len(results) / duration,
-        "ttft_ms_p50": pct([r["ttft"] for r in results], 50),
-        "ttft_ms_p90": pct([r["ttft"] for r in results], 90),
-        "itl_ms_p50": pct(itl, 50),
-        "itl_ms_p90": pct(itl, 90),
-        "tpot_ms_p50": pct([r["tpot"] for r in results], 50),
+        "ttft_ms_p50": _ms_percentile([r["ttft"] for r in results], 50),
+        "ttft_ms_p90": _ms_percentile([r["ttft"] for r in results], 90),
+        "itl_ms_p50": _ms_percentile(itl, 50),
+        "itl_ms_p90": _ms_percentile(itl, 90),
+        "tpot_ms_p50": _ms_percentile([r["tpot"] for r in results], 50),
         "accepted_per_step": figures.accepted_per_step,
         "acceptance_rate": figures.acceptance_rate,
         "counters": counters,
@@ -160,7 +182,9 @@ async def load_level(
 async def bench_server(
     engine: EngineSpec, model: str, prompts: list[str], args: argparse.Namespace, dtype: DtypeChoice, log: Path
 ) -> dict[str, Any]:
-    """Start ``engine``'s server, warm it up with one request, run every ``--concurrency`` level."""
+    """Start ``engine``'s server (dev mode on for every server: :func:`fresh_start` needs its
+    ``/reset_prefix_cache``, a plugin server's runner counters its ``/collective_rpc``), run the
+    ramp (:func:`run_ramp`), then read a plugin server's runner counters (:func:`runner_stats`)."""
     import httpx
 
     env = dict(ENV_DEFAULTS)
@@ -180,14 +204,56 @@ async def bench_server(
         startup_seconds=args.startup_timeout,
         env=env,
         port=args.port,
-        dev_mode=False,
+        dev_mode=True,
         watch=TreeMonitor,
     ) as server:
         start_s = time.perf_counter() - started
         served = served_model(server.url)
         async with httpx.AsyncClient(base_url=server.url, timeout=None) as client:
-            await one_request(client, served, prompts[0], args)  # warm-up
-            levels = [await load_level(client, served, prompts, c, args) for c in args.concurrency]
-    for level in levels:
-        level["method"] = engine.method
-    return {"start_s": start_s, "peak_rss_mib": server.watcher.peak_mib, "levels": levels}
+            levels = await run_ramp(client, engine, served, prompts, args)
+        stats = runner_stats(server.url) if engine.kind == "plugin" else None
+    return {"start_s": start_s, "peak_rss_mib": server.watcher.peak_mib, "levels": levels, "plugin_stats": stats}
+
+
+async def run_ramp(
+    client: Any, engine: EngineSpec, model: str, prompts: list[str], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One warm-up request, then every ``--concurrency`` level in turn (``level``: its position;
+    a concurrency may come back), each after a :func:`fresh_start`: every level sends the same
+    prompts, and must not find the KV blocks or the drafts an earlier level left."""
+    await one_request(client, model, prompts[0], args)  # warm-up
+    levels = []
+    for index, concurrency in enumerate(args.concurrency):
+        await fresh_start(client, engine, index)
+        level = await load_level(client, model, prompts, concurrency, args)
+        levels.append({**level, "level": index, "method": engine.method})
+    return levels
+
+
+async def fresh_start(client: Any, engine: EngineSpec, index: int) -> None:
+    """Before level ``index``: the server as newly started for it, as ``worker.fresh_start`` does
+    offline. Its cross-request memory emptied where HTTP can reach it (:data:`FORGET_RPC`;
+    :data:`KEEPS_MEMORY`: where it cannot), then vLLM's prefix cache (a dev-mode endpoint
+    answering ``{"success": false}`` while blocks are in use), which must not fail silently:
+    the level would then reuse an earlier level's KV blocks. ``client``: an ``httpx.AsyncClient``."""
+    rpc = FORGET_RPC.get(engine.kind)
+    if rpc is not None:
+        (await client.post("/collective_rpc", json={"method": rpc})).raise_for_status()
+    response = await client.post("/reset_prefix_cache")
+    response.raise_for_status()
+    if response.json().get("success") is not True:
+        raise RuntimeError(
+            f"server {engine.id} did not empty its prefix cache before level {index} (blocks still in use)"
+        )
+
+
+def runner_stats(url: str) -> dict[str, Any] | None:
+    """The plugin runner's counters since start-up (``specbeam_stats``), or None when the
+    server does not answer them: a missing figure must not lose the ramp's numbers."""
+    from benchmarks.load import plugin_stats  # load imports this module
+
+    try:
+        return plugin_stats(url)
+    except (requests.RequestException, ValueError, LookupError) as error:
+        print(f"no runner counters from {url}: {type(error).__name__}: {error}")
+        return None

@@ -114,7 +114,7 @@ def run_job(job: Job) -> None:
     tick()  # started and warm (--interleave hands out turns after every engine's first step)
 
     state_bytes: int | None = None  # the drafter's cross-request memory after the last run
-    step_cost: dict[str, float] = {}  # the step budget's fitted cost line after the last run
+    step_cost: dict[str, float] = {}  # the fitted costs (target's steps, draft's forwards) after the last run
 
     def counters() -> dict[str, Any]:
         nonlocal state_bytes
@@ -123,9 +123,7 @@ def run_job(job: Job) -> None:
         tree = llm.collective_rpc(_read_tree_stats)[0]
         if tree is not None:
             state_bytes = tree.pop(STATE_BYTES)
-            step_cost.update(
-                {key: tree.pop(key) for key in ("step_cost_intercept_s", "step_cost_per_row_s") if key in tree}
-            )
+            step_cost.update({key: tree.pop(key) for key in list(tree) if key.startswith(COST_PREFIXES)})
             values.update({f"tree_{key}": value for key, value in tree.items()})
         searches = [speculative_search(d) for d in {s.beam_depth for s in job.settings if s.speculative}]
         if searches:  # rounds are target passes; steps are tokens per beam
@@ -234,6 +232,10 @@ def request_prompts(prompt_ids: list[list[int]], cache_salt: str | None) -> list
 
     salted = {} if cache_salt is None else {"cache_salt": cache_salt}
     return [TokensPrompt(prompt_token_ids=ids, **salted) for ids in prompt_ids]
+
+
+#: the runner's stats that are fitted lines, not counters (``TreeRunnerMixin.tree_stats``)
+COST_PREFIXES = ("step_cost_", "draft_cost_")
 
 
 def fresh_start(llm: Any) -> None:

@@ -159,14 +159,18 @@ def test_schema_best_setting_and_table(tmp_path):
     # best setting per method and scenario only, the baseline first, cells rounded per column
     assert report.offline_table(runs).splitlines() == [
         "| batch | temp | method | best setting | tok/s (median) | speedup | paired speedup | accepted/step "
-        "| acceptance | dsbd width | steps/token | draft share | peak RSS MiB | loglik/token | exact match "
+        "| acceptance | dsbd width | steps/token | draft share | steps off | peak RSS MiB | loglik/token | exact match "
         "| divergence | pass@1 |",
-        "|" + "---|" * 17,
-        "| 1 | 0.0 | none | - | 10.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – | – |",
-        "| 1 | 0.0 | lookup_tree | d5/n16 | 14.0 | 1.40 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 "
+        "|" + "---|" * 18,
+        "| 1 | 0.0 | none | - | 10.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | – | 900 | -0.800 | 1.00 | – | – |",
+        "| 1 | 0.0 | lookup_tree | d5/n16 | 14.0 | 1.40 | – | 0.50 | 0.40 | – | 0.70 | – | – | 900 | -0.800 | 1.00 "
         "| identical 1/2; 1 diverged (max margin 0.21) | – |",
-        "| 8 | 0.0 | none | - | 30.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | 900 | -0.800 | 1.00 | – | – |",
+        "| 8 | 0.0 | none | - | 30.0 | 1.00 | – | 0.50 | 0.40 | – | 0.70 | – | – | 900 | -0.800 | 1.00 | – | – |",
     ]
+    assert report.cost_cell({"step_cost_intercept_s": 0.0312, "step_cost_per_row_s": 0.0004}, "step_cost") == (
+        "31.2 + 0.40/row"
+    )
+    assert report.cost_cell({"step_cost_intercept_s": 0.0312, "step_cost_per_row_s": 0.0004}, "draft_cost") is None
     assert report.write_plots(runs, {"lookup_tree": "plugin"}, tmp_path, "t") == [tmp_path / report.BARS_PNG]
     assert (tmp_path / report.BARS_PNG).read_bytes()[:4] == b"\x89PNG"
 

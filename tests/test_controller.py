@@ -15,7 +15,16 @@ from test_hybrid_lookup import DeferringRuntime
 from test_mcsd import drafter, request
 
 from vllm_specbeam.core.budget import StepCost
-from vllm_specbeam.core.controller import MAX_OFF_STEPS, DraftGate, StepLedger, StepPrices, Switch, paying_share
+from vllm_specbeam.core.controller import (
+    MAX_OFF_STEPS,
+    REST_BELOW,
+    DraftGate,
+    StepLedger,
+    StepPrices,
+    Switch,
+    paying_share,
+    utility,
+)
 
 #: 38 ms + 0.5 ms a row: C(4) = 40 ms, C(8) = 42 ms (the module docstring's example)
 TARGET = StepCost(0.038, 0.0005)
@@ -76,15 +85,47 @@ def test_paying_share_equals_brute_force(seed: int) -> None:
     assert goodput(ledger, gains, rows, fed, chosen) == pytest.approx(best)
 
 
+def test_the_utility_example() -> None:
+    line = StepCost(0.040, 0.0005)
+    assert utility(StepPrices(8, line), 2.0, 8, 0.003) == pytest.approx((10 / 0.051) / (8 / 0.044))
+    assert utility(StepPrices(8, line), 2.0, 8, 0.003) > 1 > utility(StepPrices(8, line), 2.0, 8, 0.009)
+    assert utility(StepPrices(8, None), 2.0, 8, 0.003) is None
+
+
 def test_the_switch_example() -> None:
-    """Empty steps 0 and 2, a probe at 5 that keeps nodes, one more empty step at 6: off at 1, 3-4, 7-8."""
+    """Utilities 0.5 at steps 0 and 2, a probe at 5 of 1.2, then 0.4: off at 1, 3-4, 7-8."""
     switch, batch, off = Switch(), ["a", "b"], []
     for step in range(10):
         if not switch.drafts(batch):
             off.append(step)
             continue
-        switch.after(drafted=step == 5 or step > 8)
+        switch.after({5: 1.2, 6: 0.4}.get(step, 0.5) if step < 9 else 1.2)
     assert off == [1, 3, 4, 7, 8]
+
+
+def test_the_switch_averages_utilities_and_counts_the_unknown_as_paying() -> None:
+    """Drafting that pays well now and then keeps the batch on through the steps that find nothing."""
+    switch, batch = Switch(), ["a"]
+    for utility_now in [1.5, 0.98, 0.98, 1.5, 0.98, 0.98, 0.98]:
+        assert switch.drafts(batch)
+        switch.after(utility_now)
+    for _ in range(5):
+        assert switch.drafts(batch)
+        switch.after(None)
+    switch.after(0.9)  # the average: 1.04, above REST_BELOW
+    assert not switch.off and REST_BELOW > 0.9
+    switch.after(0.3)  # the average: 0.82
+    assert switch.off
+
+
+def test_a_step_whose_drafts_were_all_priced_out_rests_the_batch() -> None:
+    """Dear rows: the drafter's time is nothing beside the step (utility 1), yet nothing pays."""
+    switch = Switch()
+    switch.after(1.0, priced_out=True)
+    assert switch.off
+    switch = Switch()
+    switch.after(1.0)  # nothing found to draft (new text): not the controller's cut
+    assert not switch.off
 
 
 def test_the_switch_rests_at_most_max_off_steps_and_probes_when_the_batch_changes() -> None:
@@ -92,7 +133,7 @@ def test_the_switch_rests_at_most_max_off_steps_and_probes_when_the_batch_change
     for step in range(200):
         if switch.drafts(batch):
             drafted.append(step)
-            switch.after(drafted=False)
+            switch.after(0.5)
     assert max(np.diff(drafted)) == MAX_OFF_STEPS + 1  # rests grow to MAX_OFF_STEPS, then stay
     assert not switch.drafts(batch) and switch.off
     assert switch.drafts(["a", "b"])  # a request came: the load it was judged at is gone

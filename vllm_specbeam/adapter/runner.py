@@ -41,7 +41,7 @@ from vllm_specbeam.adapter.draft_model import SearchDraftRuntime, WorkerDraftRun
 from vllm_specbeam.adapter.engine_config import CACHE_SALT_KEY, plugin_config
 from vllm_specbeam.core.budget import FILL_KIND, StepBudget, StepCost, StepCostModel
 from vllm_specbeam.core.config import AUTO, METHODS, SpecbeamConfig, node_cap
-from vllm_specbeam.core.controller import StepPrices, Switch
+from vllm_specbeam.core.controller import StepPrices, Switch, utility
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.core.verifiers.base import TreeVerifier
@@ -807,9 +807,7 @@ class TreeRunnerMixin:
                     self.budget.observe_committed(req_id, sampled, int(batch.num_tokens_no_spec[index]))
         if not self._drafts_this_step():
             return [[] for _ in batch.req_ids]
-        counts = self.tree_counts
-        before = (counts.budget_drafted - counts.budget_kept, counts.budget_idle)
-        requests, positions, automatic = [], [], []
+        requests, positions, automatic, sitting_out = [], [], [], 0
         for index, req_id in enumerate(batch.req_ids):
             state = self.requests[req_id]
             params = state.sampling_params
@@ -830,7 +828,7 @@ class TreeRunnerMixin:
                 assert self.budget is not None  # AUTO is an option of prunable methods only
                 options["max_nodes"] = self.budget.draft_cap(req_id, node_cap(options))
                 if options["max_nodes"] == 0:  # sitting this step out: its drafts have not paid
-                    self.tree_counts.budget_idle += 1
+                    sitting_out += 1
                     continue
             requests.append(
                 DraftRequest(
@@ -846,13 +844,16 @@ class TreeRunnerMixin:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         max_len = self.vllm_config.model_config.max_model_len
         start = time.perf_counter()
+        prices = StepPrices(batch.num_reqs, None if self.budget is None else self.budget.cost, self.draft_cost)
         if self.budget is not None and self.tree_drafter.cuts_to_step_cost:
-            self.tree_drafter.plan_step(StepPrices(self.input_batch.num_reqs, self.budget.cost, self.draft_cost))
+            self.tree_drafter.plan_step(prices)
         trees = self.tree_drafter.propose(requests)
         elapsed = time.perf_counter() - start
         self.tree_counts.draft_seconds += elapsed
         if self._timed_step is not None:
             self._timed_step.draft_seconds += elapsed
+        self.tree_counts.budget_idle += sitting_out
+        offered = sitting_out > 0 or any(tree.num_nodes for tree in trees)
         if any(automatic):
             trees = self._keep_what_pays(requests, trees, automatic)
         for index, request, tree in zip(positions, requests, trees):
@@ -860,12 +861,34 @@ class TreeRunnerMixin:
             tree = tree.truncate(max(0, min(tree.num_nodes, max_len - request.token_ids.size - 1)))
             self._proposed[request.req_id] = tree
             drafts[index] = tree.tokens.tolist()
-        if self.switch is not None:  # a step that verifies nothing because its drafts did not pay rests the batch
-            cut = (counts.budget_drafted - counts.budget_kept, counts.budget_idle) != before
-            self.switch.after(drafted=any(drafts) or not (cut or self.tree_drafter.priced_out))
+        if self.switch is not None:
+            self._judge_step(prices, automatic, offered, drafts, elapsed)
         self._step_drafts = DraftTokenIds(list(batch.req_ids), drafts)
         self._log_budget()
         return drafts
+
+    def _judge_step(
+        self, prices: StepPrices, automatic: list[bool], offered: bool, drafts: list[list[int]], seconds: float
+    ) -> None:
+        """Tell the switch what this drafting step was worth: its :func:`utility`, and whether it was
+        priced out (drafts were there to verify, or a drafter that prices its own drafts was asked,
+        and the controller kept none: the batch then rests whatever the utility)."""
+        assert self.switch is not None
+        gain = self._expected_gain(automatic)
+        rows = sum(map(len, drafts))
+        offered = offered or (gain is not None and self.tree_drafter.cuts_to_step_cost and bool(automatic))
+        self.switch.after(None if gain is None else utility(prices, gain, rows, seconds), offered and rows == 0)
+
+    def _expected_gain(self, automatic: list[bool]) -> float | None:
+        """The tokens this step's trees are expected to add: the budget's kept nodes' values for
+        ``"max_nodes": "auto"`` requests, the drafter's own account for a drafter that prices its
+        trees; ``None`` when some tree was drafted unvalued (a fixed ``max_nodes``)."""
+        assert self.budget is not None  # a switch runs only with one
+        if self.tree_drafter.cuts_to_step_cost:
+            return self.tree_drafter.expected_gain
+        if not any(automatic):  # nothing asked of the budget: nothing drafted, or fixed trees
+            return None if automatic else 0.0
+        return self.budget.kept_value if all(automatic) else None
 
     def _drafts_this_step(self) -> bool:
         """Whether this step asks the drafter at all (:class:`~vllm_specbeam.core.controller.Switch`).

@@ -231,14 +231,6 @@ def choose_nodes(
     return np.split(chosen, np.cumsum([tree.num_nodes for tree in trees])[:-1])
 
 
-def keep_what_pays(
-    trees: Sequence[DraftTree], values: Sequence[Sequence[float]], base_tokens: float, base_rows: float, cost: StepCost
-) -> list[DraftTree]:
-    """``trees`` cut to the nodes :func:`choose_nodes` keeps."""
-    masks = choose_nodes(trees, values, base_tokens, base_rows, cost)
-    return [tree if mask.all() else tree.keep(mask) for tree, mask in zip(trees, masks)]
-
-
 @dataclass
 class BackOff:
     """How long a request's drafting source (``aded``'s search, a draft model behind lookup
@@ -297,6 +289,8 @@ class StepBudget:
         self.cost: StepCost | None = None
         self.engine = AcceptanceCounts()
         self.requests: dict[str, RequestBudget] = {}
+        #: the expected accepted tokens of the nodes the last :meth:`prune` kept (0 when unpriced)
+        self.kept_value = 0.0
 
     def refresh(self) -> StepCost | None:
         """The fitted line now (``None`` before any step was timed)."""
@@ -360,12 +354,15 @@ class StepBudget:
         ``num_tokens``) that pay for themselves in a step of ``batch_size``
         requests with ``other_rows`` draft rows the budget does not choose."""
         shapes = [self.drafted(req_id, tree, length) for req_id, tree, length in zip(req_ids, trees, num_tokens)]
+        self.kept_value = 0.0
         if self.cost is None:  # nothing timed yet: the drafts as proposed
             kept = list(trees)
         else:
             engine = self.engine_rates()
             values = [path_values(shape, self.rates(req_id, engine)) for req_id, shape in zip(req_ids, shapes)]
-            kept = keep_what_pays(trees, values, batch_size, batch_size + other_rows, self.cost)
+            masks = choose_nodes(trees, values, batch_size, batch_size + other_rows, self.cost)
+            kept = [tree.keep(mask) for tree, mask in zip(trees, masks)]
+            self.kept_value = float(sum(np.asarray(v)[mask].sum() for v, mask in zip(values, masks)))
         for drafted, tree, req_id in zip(trees, kept, req_ids):
             if drafted.num_nodes == 0:  # the drafter found nothing: its own call, nothing learnt
                 continue
@@ -434,7 +431,7 @@ def lookup_first(lookup: DraftTree, fill: DraftTree, budget: int, rates: np.ndar
     kept[best[best < lookup.num_nodes]] = True
     drafted = best[best >= lookup.num_nodes]  # [fill nodes kept]
     return LookupShare(
-        lookup if kept.all() else lookup.keep(kept),
+        lookup.keep(kept),
         values[: lookup.num_nodes][kept].tolist(),
         int(drafted.size),
         values[drafted[parents[drafted] == ROOT]].tolist(),

@@ -30,6 +30,11 @@ from vllm_specbeam.core.budget import BackOff, StepCost
 
 #: longest run of steps a batch goes without drafting before it probes again (it probes after 1, 2, 4, ...)
 MAX_OFF_STEPS = 16
+#: how much of a batch's drafting utility carries over to the next drafting step (about 3 steps' memory)
+UTILITY_MEMORY = 0.7
+#: a batch rests while its average utility is below this: drafting that costs a step 1 % and finds
+#: nothing for a while (new text) is kept, since the text may repeat again at any step
+REST_BELOW = 0.99
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class StepLedger:
     draft_seconds: float = 0.0
     #: the step drafts a probe (:class:`DraftGate`): its one node is drafted whatever it costs
     probing: bool = False
+    #: some of its nodes were drafted unpriced (a probe, a request's own threshold): ``tokens`` lacks their value
+    unvalued: bool = False
 
     @classmethod
     def of(cls, prices: StepPrices, other_rows: int = 0) -> StepLedger | None:
@@ -145,35 +152,60 @@ class DraftGate:
         return chosen
 
 
+def utility(prices: StepPrices, gain: float, rows: int, draft_seconds: float) -> float | None:
+    """A drafting step's expected tokens per second over a plain step's: ``gain`` expected tokens
+    from ``rows`` verified rows, after ``draft_seconds`` of drafting (``None`` before the target's
+    steps were timed). Example: 8 requests, ``C(R) = 40 + 0.5 R`` ms, 2 tokens from 8 rows after
+    3 ms: ``(10 / 51) / (8 / 44) = 1.08``; after 9 ms ``0.96``."""
+    if prices.target is None:
+        return None
+    batch = prices.batch_size
+    plain = batch / max(float(prices.target.seconds(batch)), 1e-9)
+    return (batch + gain) / max(float(prices.target.seconds(batch + rows)) + draft_seconds, 1e-9) / plain
+
+
 class Switch:
     """Whether a batch drafts at all this step.
 
-    After a step in which nothing was drafted (every tree cut to nothing, every
-    draft forward priced out), the batch rests: its steps are vLLM's plain
-    decode steps, with no drafting. It probes after 1, 2, 4, ... up to
-    :data:`MAX_OFF_STEPS` steps; a probe that keeps nodes turns it back on and
-    halves the next rest, so a batch whose drafts pay one step in a few is not
+    Each drafting step's :func:`utility` is averaged over the last few (the
+    cost of drafting is paid every step, its tokens now and then); while that
+    average is below :data:`REST_BELOW`, drafting costs the batch more than it
+    commits, and the batch rests: its steps are vLLM's plain decode steps, with no drafting. It
+    probes after 1, 2, 4, ... up to :data:`MAX_OFF_STEPS` steps, a probe's
+    utility starting the average anew; a probe that pays turns it back on and
+    halves the next rest, so a batch whose drafts pay now and then is not
     switched on and off every step. A change of batch (a request came or went)
-    probes at once: the load it was judged at is gone.
+    probes at once: the load it was judged at is gone. A step whose drafts were all
+    priced out rests the batch too (it would ask the drafter for nothing again); a
+    step of unknown utility (unpriced drafts) counts as paying.
 
-    Example: empty steps 0 and 2, a probe at 5 that keeps nodes, then one more
-    empty step at 6: off at 1, 3-4; on at 5; off 7-8 (the rest halved from 4 to 2).
+    Example: utilities 0.5 at steps 0 and 2, a probe at 5 of 1.2, then 0.4 at 6
+    (averaged with 1.2: 0.96): off at 1, 3-4; on at 5; off 7-8 (the rest halved from 4 to 2).
     """
 
     def __init__(self) -> None:
         self._rest = BackOff(most=MAX_OFF_STEPS)
         self._batch: frozenset[str] = frozenset()
+        self._utility: float | None = None
 
     def drafts(self, req_ids: Sequence[str]) -> bool:
         """Whether this step (of these requests) drafts; a step that does not passes one step of rest."""
         batch = frozenset(req_ids)
         if batch != self._batch:
-            self._batch, self._rest.left = batch, 0
-        return self._rest.allows()
+            self._batch, self._rest.left, self._utility = batch, 0, None
+        drafts = self._rest.allows()
+        if not drafts:
+            self._utility = None  # the next drafting step is a probe: its own utility decides
+        return drafts
 
-    def after(self, drafted: bool) -> None:
-        """Record a drafting step: ``drafted`` when it kept any node for any request."""
-        self._rest.after(paid=drafted)
+    def after(self, utility: float | None, priced_out: bool = False) -> None:
+        """Record a drafting step's :func:`utility`; ``priced_out``: the controller kept none of the
+        drafts there were (the batch rests, whatever the average)."""
+        if utility is not None:
+            last = self._utility
+            self._utility = utility if last is None else UTILITY_MEMORY * last + (1 - UTILITY_MEMORY) * utility
+        paid = self._utility is None or self._utility >= REST_BELOW
+        self._rest.after(paid=paid and not priced_out)
 
     @property
     def off(self) -> bool:

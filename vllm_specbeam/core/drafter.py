@@ -97,10 +97,11 @@ class TreeDrafter(ABC):
         seconds of a step by rows and of a draft forward by rows (``None`` until measured)."""
 
     @property
-    def priced_out(self) -> bool:
-        """Whether the last :meth:`propose` left drafts out for their price alone (:meth:`plan_step`):
-        a step that then verifies nothing lets the runner rest the batch (the goodput controller)."""
-        return False
+    def expected_gain(self) -> float | None:
+        """The tokens the last :meth:`propose`'s trees are expected to add to the step, when it
+        valued them all (:meth:`plan_step`); ``None`` when it did not. The runner weighs them
+        against the step's rows and the drafting's seconds (the goodput controller's switch)."""
+        return None
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free per-request state: the request finished, was aborted or preempted."""

@@ -228,8 +228,11 @@ class DraftTree:
 
         Example: parents ``[-1, -1, 0, 1]`` and mask ``[1, 1, 0, 1]`` give
         parents ``[-1, -1, 1]`` (old node 3 hangs from old node 1, now node 1).
+        A mask keeping every node gives the tree itself.
         """
         mask = np.asarray(mask, bool)  # [num_nodes]
+        if mask.all():
+            return self
         if not mask.any():
             return DraftTree.empty()
         parents = self.parents[mask]

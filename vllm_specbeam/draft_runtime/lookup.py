@@ -109,8 +109,6 @@ class LookupBranches:
         self.prices = StepPrices(0, None)
         #: which requests a priced draft drafts for (:meth:`propose` given a ledger)
         self.gate = DraftGate()
-        #: whether the last step cut lookup nodes or the draft for their price
-        self.priced_out = False
 
     def request(self, request: DraftRequest) -> DraftRequest:
         """``request`` with the lookup drafter's options."""
@@ -172,10 +170,9 @@ class LookupBranches:
             batch = self.prices.batch_size
             rows = batch + sum(share.fill_nodes for share in out)
             masks = choose_nodes(lookups, [share.values for share in out], batch, rows, self.prices.target)
-        self.priced_out = not all(mask.all() for mask in masks)
         return [
             LookupSplit(
-                tree if mask.all() else tree.keep(mask),
+                tree.keep(mask),
                 tree,
                 share.fill_nodes,
                 float(np.asarray(share.values)[mask].sum()),
@@ -201,7 +198,6 @@ class LookupBranches:
             return splits
         first = [splits[k].fill_first for k in candidates]
         drafting = self.gate.choose(ledger, [sum(values) for values in first], [len(values) for values in first])
-        self.priced_out |= len(drafting) < len(candidates)
         chosen = {candidates[k]: 1 if ledger.probing else splits[candidates[k]].fill_nodes for k in drafting}
         return [
             dataclasses.replace(split, fill_nodes=chosen.get(k, 0)) if k in candidates else split
@@ -335,10 +331,6 @@ class LookupFirstDrafter:
     @staticmethod
     def salted_index(options: Mapping[str, Any]) -> bool:
         return options["lookup"] == "global" and options["index_isolation"] == "salt"
-
-    @property
-    def priced_out(self) -> bool:
-        return self.lookup is not None and self.lookup.priced_out
 
     @property
     def learns_across_requests(self) -> bool:

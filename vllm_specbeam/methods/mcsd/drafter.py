@@ -313,7 +313,8 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         #: tokens, and which requests a priced draft drafts for (with them, the lookup's own)
         self.values = StepBudget()
         self.gate = DraftGate()
-        self._priced_out = False
+        #: the last step's account (``None``: unpriced)
+        self._ledger: StepLedger | None = None
 
     @property
     def cuts_to_step_cost(self) -> bool:
@@ -325,14 +326,17 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
             super().plan_step(prices)
 
     @property
-    def priced_out(self) -> bool:
-        return self._priced_out if self.lookup is None else super().priced_out
+    def expected_gain(self) -> float | None:
+        ledger = self._ledger
+        if ledger is None or ledger.unvalued or self.prices is None:
+            return None
+        return ledger.tokens - self.prices.batch_size
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
         if self.collect:
             self._label(requests)
-        ledger = None if self.prices is None else StepLedger.of(self.prices)
+        ledger = self._ledger = None if self.prices is None else StepLedger.of(self.prices)
         if self.lookup is None:
             return self._draft_alone(runtime, requests, ledger)
         fills = [_shape(tuple(r.options["k_config"]), r.options["num_speculative_tokens"]) for r in requests]
@@ -353,13 +357,11 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         for request in requests:
             self.values.judge(request.req_id, request.token_ids)
         drafting, caps = list(range(len(requests))), list[int | None]([None] * len(requests))
-        self._priced_out = False
         if ledger is not None:
             gated = [k for k, r in enumerate(requests) if r.options["stop_threshold"] == AUTO]
             shapes = [_first_level(tuple(requests[k].options["k_config"])) for k in gated]
             first = [path_values(shape, self.values.rates(requests[k].req_id)) for shape, k in zip(shapes, gated)]
             chosen = [gated[k] for k in self.gate.choose(ledger, [sum(v) for v in first], [len(v) for v in first])]
-            self._priced_out = len(chosen) < len(gated)
             drafting = sorted(set(drafting) - set(gated) | set(chosen))
             caps = [1 if ledger.probing and k in chosen else None for k in drafting]
             runtime.defer([r.req_id for k, r in enumerate(requests) if k not in drafting])
@@ -391,6 +393,8 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
             for r, w, logits, cap, exclude in zip(requests, widths, synced, caps, excludes)
         ]
         growing = [g for g in growths if g is not None]
+        if ledger is not None:
+            ledger.unvalued |= not all(g.priced for g in growing)
         scored = None
         if growing and (self.collect or priced):
             scored = self._score(growing, [len(r.token_ids) for r, g in zip(requests, growths) if g is not None])
