@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -313,6 +314,8 @@ class ServerReport:
     #: per process (:func:`process_rss_mib`) after each wave; their sum is ``rss_mib_after_waves``
     rss_mib_per_process_after_waves: list[dict[str, float]] = field(default_factory=list)
     drafter_state_bytes_after_waves: list[float] = field(default_factory=list)
+    #: wall seconds of each wave after the faults' (no fault beside it: the servers' speeds compare)
+    clean_wave_seconds: list[float] = field(default_factory=list)
 
 
 def compare_wave(
@@ -405,7 +408,10 @@ def run_plugin_server(
         problems.append(f"faults not all delivered: {report.faults} of {faults} each")
     problems += check_idle(report, url, pid, plugin)
     for _ in range(waves - 1):
-        problems += compare_wave(report, calls, asyncio.run(wave(url, calls, plugin=plugin)), reference)
+        start = time.perf_counter()
+        answers = asyncio.run(wave(url, calls, plugin=plugin))
+        report.clean_wave_seconds.append(time.perf_counter() - start)
+        problems += compare_wave(report, calls, answers, reference)
         problems += check_idle(report, url, pid, plugin)
     if requests.get(f"{url}/health", timeout=10).status_code != 200:
         problems.append("/health is not 200 after the run")
@@ -469,6 +475,8 @@ LOAD_COLUMNS = (
     ("off first branch", "accepted_off_first_branch", 0),
     ("live requests after waves", "live", 0),
     ("RSS MiB after waves", "rss", 0),
+    ("wave s (median)", "wave_s", 2),
+    ("wave time vs none", "wave_vs_none", 3),
 )
 
 
@@ -501,7 +509,9 @@ def rss_table(reports: Sequence[ServerReport]) -> str:
 
 
 def markdown(reports: Sequence[ServerReport]) -> str:
-    """One row per plugin server: what was sent, what failed, what the server held afterwards."""
+    """One row per plugin server: what was sent, what failed, what the server held afterwards,
+    and its waves' median wall time (against ``none``'s when it ran: waves after the faults')."""
+    wave_s = {r.method: statistics.median(r.clean_wave_seconds) for r in reports if r.clean_wave_seconds}
     rows = [
         {
             **asdict(r),
@@ -517,6 +527,8 @@ def markdown(reports: Sequence[ServerReport]) -> str:
                 for w in r.idle_after_waves
             ),
             "rss": ", ".join(f"{m:.0f}" for m in r.rss_mib_after_waves),
+            "wave_s": wave_s.get(r.method),
+            "wave_vs_none": wave_s[r.method] / wave_s["none"] if r.method in wave_s and "none" in wave_s else None,
         }
         for r in reports
     ]

@@ -1103,3 +1103,28 @@ def test_replay_budget_drafts_all_when_rows_are_free_and_none_when_dear(closed_b
 def test_lossy_rows_are_the_joint_rule_and_dsbds_beams_not_its_chain():
     assert report.is_lossy("mjsd") and report.is_lossy("dsbd") and report.is_lossy("dsbd+vocab")
     assert not any(report.is_lossy(row) for row in ("mcsd", plan.DSBD_CHAIN, plan.DSBD_CHAIN_LOOKUP, "lookup_tree"))
+
+
+def test_the_load_table_gives_each_servers_wave_time_against_none():
+    from benchmarks.load import ServerReport, markdown
+
+    none = ServerReport("none", {}, clean_wave_seconds=[10.0, 12.0, 11.0])
+    tree = ServerReport("lookup_tree", {"method": "lookup_tree"}, clean_wave_seconds=[12.0, 11.5, 10.5])
+    rows = {line.split("|")[1].strip(): line for line in markdown([none, tree]).splitlines()[2:]}
+    assert rows["none"].rstrip(" |").endswith("11.00 | 1.000")
+    assert rows["lookup_tree"].rstrip(" |").endswith(f"11.50 | {11.5 / 11.0:.3f}")
+
+
+@pytest.mark.engine
+def test_the_off_path_benchmark_rests_the_batch_and_compares_it_with_none(tiny_model, tmp_path, monkeypatch):
+    from benchmarks import off_path
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # restored after: the script sets it
+    out = tmp_path / "off"
+    argv = ["--model", tiny_model, "--batch-size", "2", "--max-tokens", "24", "--rounds", "2", "--intel-openmp", "off"]
+    assert off_path.main([*argv, "--enforce-eager", "--dtype", "float32", "--out", str(out)]) == 0
+    result = json.loads((out / "off_path.json").read_text())
+    counts = result["counters"]
+    # no node verified; the batch rests where the lookup found drafts (the dear line prices them out)
+    assert counts["nodes"] == 0 and counts["steps_off"] > 0 and counts["steps_probed"] > 0
+    assert len(result["throughput_ratios"]) == 2 and result["throughput_ratio_median"] > 0
