@@ -94,13 +94,14 @@ def test_the_utility_example() -> None:
 
 def test_the_switch_example() -> None:
     """Utilities 0.5 at steps 0 and 2, a probe at 5 of 1.2, then 0.4: off at 1, 3-4, 7-8."""
-    switch, batch, off = Switch(), ["a", "b"], []
+    switch, batch, off, probes = Switch(), ["a", "b"], [], []
     for step in range(10):
         if not switch.drafts(batch):
             off.append(step)
             continue
+        probes += [step] if switch.probing else []
         switch.after({5: 1.2, 6: 0.4}.get(step, 0.5) if step < 9 else 1.2)
-    assert off == [1, 3, 4, 7, 8]
+    assert off == [1, 3, 4, 7, 8] and probes == [2, 5, 9]
 
 
 def test_the_switch_averages_utilities_and_counts_the_unknown_as_paying() -> None:

@@ -205,6 +205,18 @@ class Accepted:
 
 
 @dataclass
+class DraftAsk:
+    """The requests a step asks its drafter for trees (:meth:`TreeRunnerMixin._requests_to_draft`)."""
+
+    requests: list[DraftRequest]
+    #: each one's index in the batch, and whether its nodes are the budget's to choose (``"auto"``)
+    positions: list[int]
+    automatic: list[bool]
+    #: requests the budget sat out this step (their drafts have not paid)
+    sitting_out: int
+
+
+@dataclass
 class TimedStep:
     """A decode step being timed, from its ``execute_model`` to the next one's."""
 
@@ -318,7 +330,6 @@ class TreeRunnerMixin:
         self.draft_cost: StepCost | None = None
         #: whether the batch drafts at all (exact methods: lossy ones draft what their output means)
         self.switch = Switch() if self.budget is not None and METHODS[config.method].exact else None
-        self._resting = False
         self._timed_step: TimedStep | None = None
         self._timed_steps = 0
         self._budget_logged = time.monotonic()
@@ -807,7 +818,37 @@ class TreeRunnerMixin:
                     self.budget.observe_committed(req_id, sampled, int(batch.num_tokens_no_spec[index]))
         if not self._drafts_this_step():
             return [[] for _ in batch.req_ids]
-        requests, positions, automatic, sitting_out = [], [], [], 0
+        asked = self._requests_to_draft(sampled_token_ids)
+        drafts: list[list[int]] = [[] for _ in batch.req_ids]
+        max_len = self.vllm_config.model_config.max_model_len
+        start = time.perf_counter()
+        prices = StepPrices(batch.num_reqs, None if self.budget is None else self.budget.cost, self.draft_cost)
+        if self.budget is not None and self.tree_drafter.cuts_to_step_cost:
+            self.tree_drafter.plan_step(prices)
+        trees = self.tree_drafter.propose(asked.requests)
+        elapsed = time.perf_counter() - start
+        self.tree_counts.draft_seconds += elapsed
+        if self._timed_step is not None:
+            self._timed_step.draft_seconds += elapsed
+        self.tree_counts.budget_idle += asked.sitting_out
+        offered = asked.sitting_out > 0 or any(tree.num_nodes for tree in trees)
+        if any(asked.automatic):
+            trees = self._keep_what_pays(asked.requests, trees, asked.automatic)
+        for index, request, tree in zip(asked.positions, asked.requests, trees):
+            # Every node needs a KV slot below max_model_len.
+            tree = tree.truncate(max(0, min(tree.num_nodes, max_len - request.token_ids.size - 1)))
+            self._proposed[request.req_id] = tree
+            drafts[index] = tree.tokens.tolist()
+        if self.switch is not None:
+            self._judge_step(prices, asked.automatic, offered, drafts, elapsed)
+        self._step_drafts = DraftTokenIds(list(batch.req_ids), drafts)
+        self._log_budget()
+        return drafts
+
+    def _requests_to_draft(self, sampled_token_ids: list[list[int]]) -> DraftAsk:
+        """The requests whose drafter is asked this step, with their options for it: those that
+        decode with trees and have tokens left to draft, less those the budget sits out."""
+        batch, asked = self.input_batch, DraftAsk([], [], [], 0)
         for index, req_id in enumerate(batch.req_ids):
             state = self.requests[req_id]
             params = state.sampling_params
@@ -828,9 +869,9 @@ class TreeRunnerMixin:
                 assert self.budget is not None  # AUTO is an option of prunable methods only
                 options["max_nodes"] = self.budget.draft_cap(req_id, node_cap(options))
                 if options["max_nodes"] == 0:  # sitting this step out: its drafts have not paid
-                    sitting_out += 1
+                    asked.sitting_out += 1
                     continue
-            requests.append(
+            asked.requests.append(
                 DraftRequest(
                     req_id=req_id,
                     token_ids=batch.token_ids_cpu[index, :num_tokens],
@@ -839,33 +880,9 @@ class TreeRunnerMixin:
                     cache_salt=args.cache_salt,
                 )
             )
-            positions.append(index)
-            automatic.append(auto)
-        drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        max_len = self.vllm_config.model_config.max_model_len
-        start = time.perf_counter()
-        prices = StepPrices(batch.num_reqs, None if self.budget is None else self.budget.cost, self.draft_cost)
-        if self.budget is not None and self.tree_drafter.cuts_to_step_cost:
-            self.tree_drafter.plan_step(prices)
-        trees = self.tree_drafter.propose(requests)
-        elapsed = time.perf_counter() - start
-        self.tree_counts.draft_seconds += elapsed
-        if self._timed_step is not None:
-            self._timed_step.draft_seconds += elapsed
-        self.tree_counts.budget_idle += sitting_out
-        offered = sitting_out > 0 or any(tree.num_nodes for tree in trees)
-        if any(automatic):
-            trees = self._keep_what_pays(requests, trees, automatic)
-        for index, request, tree in zip(positions, requests, trees):
-            # Every node needs a KV slot below max_model_len.
-            tree = tree.truncate(max(0, min(tree.num_nodes, max_len - request.token_ids.size - 1)))
-            self._proposed[request.req_id] = tree
-            drafts[index] = tree.tokens.tolist()
-        if self.switch is not None:
-            self._judge_step(prices, automatic, offered, drafts, elapsed)
-        self._step_drafts = DraftTokenIds(list(batch.req_ids), drafts)
-        self._log_budget()
-        return drafts
+            asked.positions.append(index)
+            asked.automatic.append(auto)
+        return asked
 
     def _judge_step(
         self, prices: StepPrices, automatic: list[bool], offered: bool, drafts: list[list[int]], seconds: float
@@ -899,11 +916,10 @@ class TreeRunnerMixin:
         counts.steps += 1
         drafts = self.switch is None or self.switch.drafts(self.input_batch.req_ids)
         counts.steps_off += not drafts
-        if drafts and self._resting:  # a probe: every request drafts, none still sitting out
+        if drafts and self.switch is not None and self.switch.probing:  # every request drafts, none sitting out
             counts.steps_probed += 1
             assert self.budget is not None  # a switch runs only with one
             self.budget.wake()
-        self._resting = not drafts
         if not drafts and self.draft_runtime is not None:
             self.draft_runtime.defer(self.input_batch.req_ids)
         return drafts

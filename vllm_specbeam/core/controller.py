@@ -187,6 +187,9 @@ class Switch:
         self._rest = BackOff(most=MAX_OFF_STEPS)
         self._batch: frozenset[str] = frozenset()
         self._utility: float | None = None
+        #: this step drafts after a rest (its utility starts the average anew)
+        self.probing = False
+        self._resting = False
 
     def drafts(self, req_ids: Sequence[str]) -> bool:
         """Whether this step (of these requests) drafts; a step that does not passes one step of rest."""
@@ -194,6 +197,7 @@ class Switch:
         if batch != self._batch:
             self._batch, self._rest.left, self._utility = batch, 0, None
         drafts = self._rest.allows()
+        self.probing, self._resting = drafts and self._resting, not drafts
         if not drafts:
             self._utility = None  # the next drafting step is a probe: its own utility decides
         return drafts
