@@ -124,6 +124,17 @@ def recorded_answers(outputs: Path, batch_size: int) -> list[str]:
     raise SystemExit(f"{outputs}: no run of method 'none' at batch size {batch_size}")
 
 
+def load_recorded(outputs: Path, model: str, prompts: str, batch_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts and no speculation's answers of a ``compare.py`` run, as token ids of ``model``'s tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(model))
+    texts = recorded_answers(outputs, batch_size)
+    prompt_ids = [tokenizer.encode(p.text) for p in load_prompts(prompts, len(texts))]
+    answers = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    return prompt_ids, answers
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--outputs", type=Path, required=True, help="outputs.json of a compare.py run")
@@ -135,14 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--line", type=float, nargs=2, default=(0.050, 0.0025), metavar=("INTERCEPT_S", "SLOPE_S"))
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
-    model = resolve(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    texts = recorded_answers(args.outputs, args.batch_size)
-    prompts = [tokenizer.encode(p.text) for p in load_prompts(args.prompts, len(texts))]
-    answers = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-    config = parse({"method": args.method, **json.loads(args.options)}, target_tokenizer=model)
+    prompts, answers = load_recorded(args.outputs, args.model, args.prompts, args.batch_size)
+    config = parse({"method": args.method, **json.loads(args.options)}, target_tokenizer=resolve(args.model))
     line = StepCost(*args.line)
     print(
         f"{args.method}, {len(answers)} requests in one closed batch, {sum(map(len, answers))} tokens, "

@@ -347,14 +347,19 @@ class _FixedCost(StepCostModel):
     def fit(self) -> StepCost:
         return self.line
 
+    def fitted(self) -> StepCost:
+        return self.line
+
 
 def _plant_cost(worker, intercept: float | None = None, slope: float = 0.0) -> None:
-    """In the worker: fix the budget's cost line (``None``: fit it again from the steps).
-    Plain floats travel: vLLM's RPC serialises a dataclass into a dict."""
+    """In the worker: fix the budget's cost line, a plain step costing what the line says for
+    one row a request (``None``: fit both again from the steps). Plain floats travel: vLLM's
+    RPC serialises a dataclass into a dict."""
     budget = worker.model_runner.budget
     line = None if intercept is None else StepCost(intercept, slope)
     budget.cost_model = StepCostModel() if line is None else _FixedCost(line)
-    budget.cost = line
+    budget.plain_model = StepCostModel() if line is None else _FixedCost(line)
+    budget.cost = budget.plain_cost = line
 
 
 @pytest.mark.parametrize("config", [LOOKUP_AUTO, ADED_AUTO], ids=["lookup_tree", "aded"])

@@ -14,7 +14,7 @@ import pytest
 from test_hybrid_lookup import DeferringRuntime
 from test_mcsd import drafter, request
 
-from vllm_specbeam.core.budget import StepCost
+from vllm_specbeam.core.budget import BatchCost, StepCost, choose_nodes
 from vllm_specbeam.core.controller import (
     MAX_OFF_STEPS,
     REST_BELOW,
@@ -25,6 +25,7 @@ from vllm_specbeam.core.controller import (
     paying_share,
     utility,
 )
+from vllm_specbeam.core.tree import DraftTree
 
 #: 38 ms + 0.5 ms a row: C(4) = 40 ms, C(8) = 42 ms (the module docstring's example)
 TARGET = StepCost(0.038, 0.0005)
@@ -92,6 +93,30 @@ def test_the_utility_example() -> None:
     assert utility(StepPrices(8, None), 2.0, 8, 0.003) is None
 
 
+def test_a_batch_first_node_pays_what_a_tree_step_costs_over_a_plain_one() -> None:
+    """The :class:`BatchCost` example: nodes that pay against the tree line's own seconds at one
+    row a request do not pay against a plain step that costs less."""
+    line = StepCost(0.020, 0.001)
+    step = BatchCost.of(line, 8, StepCost(0.025, 0.0))
+    assert step.seconds(8) == pytest.approx(0.025) and step.seconds(9) == pytest.approx(0.029)
+    assert step.seconds(np.array([8, 10])) == pytest.approx([0.025, 0.030])
+    assert BatchCost.of(line, 8, None).seconds(8) == pytest.approx(0.028)  # no plain step timed yet
+    assert BatchCost.of(None, 8, line) is None
+    tree, values = DraftTree.chain(list(range(6))), [[0.3] * 6]
+    assert choose_nodes([tree], values, 8, 8, BatchCost.of(line, 8, None))[0].all()  # 0.3 tokens a ms
+    assert not choose_nodes([tree], values, 8, 8, step)[0].any()  # 8 / 25 ms beats (8 + 0.3 n) / (28 + n) ms
+    assert choose_nodes([tree], values, 8, 9, step)[0].all()  # another row drafted: a tree step anyway
+    # the switch weighs a drafting step against the plain one
+    assert (
+        utility(StepPrices(8, line), 1.8, 6, 0.0)
+        > 1
+        > utility(StepPrices(8, line, plain=StepCost(0.025, 0.0)), 1.8, 6, 0.0)
+    )
+    ledger = StepLedger.of(StepPrices(8, line, FREE, StepCost(0.025, 0.0)))
+    assert ledger.seconds == pytest.approx(0.025) and ledger.price(1) == pytest.approx(0.004)
+    assert not ledger.pays(0.4, 1) and ledger.take(1.5, 1) and ledger.pays(0.4, 1)  # the second node: 1 ms
+
+
 def test_the_switch_example() -> None:
     """Utilities 0.5 at steps 0 and 2, a probe at 5 of 1.2, then 0.4: off at 1, 3-4, 7-8."""
     switch, batch, off, probes = Switch(), ["a", "b"], [], []
@@ -117,6 +142,15 @@ def test_the_switch_averages_utilities_and_counts_the_unknown_as_paying() -> Non
     assert not switch.off and REST_BELOW > 0.9
     switch.after(0.3)  # the average: 0.82
     assert switch.off
+
+
+def test_a_rest_asked_for_rests_one_step_and_probes_after() -> None:
+    switch, batch = Switch(), ["a"]
+    assert switch.drafts(batch)
+    switch.after(2.0)
+    switch.rest()
+    assert not switch.drafts(batch)
+    assert switch.drafts(batch) and switch.probing
 
 
 def test_a_step_whose_drafts_were_all_priced_out_rests_the_batch() -> None:

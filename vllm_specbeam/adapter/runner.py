@@ -68,6 +68,9 @@ SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler: temperatures below are greedy
 STATE_BYTES = "drafter_state_bytes"
 #: the step budget refits its cost line (and shares it across tensor-parallel ranks) every this many timed steps
 BUDGET_REFIT_STEPS = 16
+#: a batch that drafted this many timed steps in a row rests one, to time a plain step again
+#: (the controller weighs drafting against it; costs drift on a shared machine)
+PLAIN_REFRESH_STEPS = 64
 #: seconds between two log lines of the step budget
 BUDGET_LOG_SECONDS = 60.0
 
@@ -222,6 +225,8 @@ class TimedStep:
 
     rows: int
     start: float
+    #: it verifies no node: vLLM's plain decode step, timed apart from steps that verify trees
+    plain: bool
     #: the drafter's time within it (drafting is not a cost of the rows)
     draft_seconds: float = 0.0
 
@@ -332,6 +337,8 @@ class TreeRunnerMixin:
         self.switch = Switch() if self.budget is not None and METHODS[config.method].exact else None
         self._timed_step: TimedStep | None = None
         self._timed_steps = 0
+        #: timed tree steps since the last timed plain one (one is rested for when it is overdue)
+        self._steps_since_plain = 0
         self._budget_logged = time.monotonic()
 
     @functools.cached_property
@@ -353,7 +360,8 @@ class TreeRunnerMixin:
         """The counters as a plain dict, for readers through ``LLM.collective_rpc``
         (tests, benchmarks), and the drafter's memory and cross-request index now (not counters)."""
         # the fitted costs, once there are (not counters: readers take them as they are)
-        lines = {**cost_stats("step_cost", None if self.budget is None else self.budget.cost)}
+        lines = {} if self.budget is None else cost_stats("step_cost", self.budget.cost)
+        lines.update(cost_stats("plain_cost", None if self.budget is None else self.budget.plain_cost))
         lines.update(cost_stats("draft_cost", self.draft_cost))
         drafter = self.tree_drafter
         return {**self.tree_counts.as_dict(), STATE_BYTES: drafter.state_bytes, **drafter.index_stats, **lines}
@@ -472,29 +480,32 @@ class TreeRunnerMixin:
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _time_step(self, scheduler_output: SchedulerOutput) -> None:
-        """Feed the budget's cost line: a decode step lasts from its
+        """Feed the budget's cost lines: a decode step lasts from its
         ``execute_model`` to the next one's, less its drafting.
 
         Only steps of decoding requests count (prompt rows cost differently), and
         only when requests carried on into the next step (else the engine may have
-        sat idle in between). The line the budget decides with is refitted every
-        ``BUDGET_REFIT_STEPS`` timed steps, the same steps on every rank.
+        sat idle in between). Plain steps (no node) and tree steps are fitted apart. The lines the
+        budget decides with are refitted every ``BUDGET_REFIT_STEPS`` timed steps, the same steps
+        on every rank.
         """
         now = time.perf_counter()
-        timed = self._timed_step
+        timed, budget = self._timed_step, self.budget
+        assert budget is not None
         if timed is not None and scheduler_output.scheduled_cached_reqs.req_ids:
-            assert self.budget is not None
-            self.budget.cost_model.observe(timed.rows, now - timed.start - timed.draft_seconds)
+            model = budget.plain_model if timed.plain else budget.cost_model
+            model.observe(timed.rows, now - timed.start - timed.draft_seconds)
+            self._steps_since_plain = 0 if timed.plain else self._steps_since_plain + 1
             self._timed_steps += 1
             if self._timed_steps % BUDGET_REFIT_STEPS == 1:
-                self.budget.cost = self._same_on_every_rank(self.budget.refresh())
-                if self.draft_cost_model.observed:
-                    self.draft_cost = self._same_on_every_rank(self.draft_cost_model.fit())
+                budget.cost = self._same_on_every_rank(budget.cost_model.fitted())
+                budget.plain_cost = self._same_on_every_rank(budget.plain_model.fitted())
+                self.draft_cost = self._same_on_every_rank(self.draft_cost_model.fitted())
         rows = scheduler_output.total_num_scheduled_tokens
         drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
         requests = len(scheduler_output.num_scheduled_tokens)
         decoding = not scheduler_output.scheduled_new_reqs and rows == requests + drafts  # one row each, plus drafts
-        self._timed_step = TimedStep(rows, now) if decoding and rows > 0 else None
+        self._timed_step = TimedStep(rows, now, plain=drafts == 0) if decoding and rows > 0 else None
 
     def _same_on_every_rank(self, cost: StepCost | None) -> StepCost | None:
         """Rank 0's cost line (the target's or the draft's) on every tensor-parallel rank: each
@@ -822,7 +833,13 @@ class TreeRunnerMixin:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         max_len = self.vllm_config.model_config.max_model_len
         start = time.perf_counter()
-        prices = StepPrices(batch.num_reqs, None if self.budget is None else self.budget.cost, self.draft_cost)
+        budget = self.budget
+        prices = StepPrices(
+            batch.num_reqs,
+            None if budget is None else budget.cost,
+            self.draft_cost,
+            None if budget is None else budget.plain_cost,
+        )
         if self.budget is not None and self.tree_drafter.cuts_to_step_cost:
             self.tree_drafter.plan_step(prices)
         trees = self.tree_drafter.propose(asked.requests)
@@ -914,6 +931,9 @@ class TreeRunnerMixin:
         nothing (it catches up at its next sync)."""
         counts = self.tree_counts
         counts.steps += 1
+        if self.switch is not None and self._steps_since_plain >= PLAIN_REFRESH_STEPS:
+            self.switch.rest()  # the plain step's own time is due again (it may have drifted)
+            self._steps_since_plain = 0
         drafts = self.switch is None or self.switch.drafts(self.input_batch.req_ids)
         counts.steps_off += not drafts
         if drafts and self.switch is not None and self.switch.probing:  # every request drafts, none sitting out

@@ -16,7 +16,8 @@ down to ``n = 0``. Values never grow down a path nor along siblings, so the
 (pruned nodes included), shrunk towards the engine-wide rates. ``C`` is
 fitted to the engine's own decode steps (:class:`StepCostModel`):
 ``C(R) = a + b R + c max(0, R - K)``, ``b, c >= 0``, the knee ``K`` the
-candidate that fits best. Nothing here reads a drafted token's value or the
+candidate that fits best; a step with no node at all is vLLM's plain step,
+timed apart (:class:`BatchCost`). Nothing here reads a drafted token's value or the
 target's probabilities, so a pruned tree is one its drafter could have
 proposed and every verifier's guarantee holds for it. Worked example and
 rationale: docs/budget.md.
@@ -141,6 +142,34 @@ class StepCost:
         return self.intercept + self.slope * rows + self.bend * np.maximum(np.asarray(rows) - self.knee, 0.0)
 
 
+@dataclass(frozen=True)
+class BatchCost:
+    """Seconds of a step of ``batch_size`` requests by its rows: ``plain`` when it verifies no
+    node (vLLM's plain decode step: no tree metadata, masks, verification or KV move), else
+    the tree steps' line. A batch's first node pays that difference too.
+
+    Example: ``line = 20 + 1 R`` ms, 8 requests, a plain step of 25 ms: 8 rows cost 25 ms, 9
+    rows 29 ms: the first node costs 4 ms, the second 1 ms."""
+
+    line: StepCost
+    batch_size: int
+    plain: float
+
+    @classmethod
+    def of(cls, line: StepCost | None, batch_size: int, plain_line: StepCost | None) -> BatchCost | None:
+        """The batch's costs (``None`` before a tree step was timed); before a plain step was
+        timed, the tree line's seconds at one row a request stand for it."""
+        if line is None:
+            return None
+        plain = line if plain_line is None else plain_line
+        return cls(line, batch_size, float(plain.seconds(batch_size)))
+
+    def seconds(self, rows: np.ndarray | float) -> np.ndarray | float:
+        rows = np.asarray(rows, float)
+        seconds = np.where(rows <= self.batch_size, self.plain, self.line.seconds(rows))
+        return seconds if seconds.ndim else float(seconds)
+
+
 class StepCostModel:
     """Step seconds against rows, by exponentially weighted least squares of
     :class:`StepCost`'s hinge, its knee the best fitting of :attr:`KNEES`.
@@ -179,6 +208,10 @@ class StepCostModel:
     def observed(self) -> bool:
         return bool(self._gram[0, 0, 0] > 0)
 
+    def fitted(self) -> StepCost | None:
+        """:meth:`fit`, or ``None`` before any step was observed."""
+        return self.fit() if self.observed else None
+
     def fit(self) -> StepCost:
         """The knee, slope and bend (both >= 0) of least ridged squares.
 
@@ -207,7 +240,7 @@ class StepCostModel:
         return StepCost(max(intercept, 0.0), slope, float(self.KNEES[knee]), bend)
 
 
-def choose_counts(values: np.ndarray, base_tokens: float, base_rows: float, cost: StepCost) -> int:
+def choose_counts(values: np.ndarray, base_tokens: float, base_rows: float, cost: StepCost | BatchCost) -> int:
     """How many of the nodes, best first, to keep: the ``n`` that maximises
     ``(base_tokens + sum of the n best values) / cost(base_rows + n)``."""
     best_first = np.sort(values)[::-1]  # [num_nodes]
@@ -217,7 +250,11 @@ def choose_counts(values: np.ndarray, base_tokens: float, base_rows: float, cost
 
 
 def choose_nodes(
-    trees: Sequence[DraftTree], values: Sequence[Sequence[float]], base_tokens: float, base_rows: float, cost: StepCost
+    trees: Sequence[DraftTree],
+    values: Sequence[Sequence[float]],
+    base_tokens: float,
+    base_rows: float,
+    cost: StepCost | BatchCost,
 ) -> list[np.ndarray]:
     """Which nodes of each tree to keep (boolean masks), the batch's best first.
 
@@ -283,18 +320,21 @@ class StepBudget:
     """One engine's per-step node budget: acceptance per request, costs per step."""
 
     def __init__(self) -> None:
+        #: steps that verified nodes, and plain steps (one row a request), timed apart
         self.cost_model = StepCostModel()
-        #: the line decisions use: refreshed by :meth:`refresh` (every rank of a
-        #: tensor-parallel engine must decide alike, so the runner shares it)
+        self.plain_model = StepCostModel()
+        #: the lines decisions use, refitted by the runner (every rank of a
+        #: tensor-parallel engine must decide alike, so the runner shares them)
         self.cost: StepCost | None = None
+        self.plain_cost: StepCost | None = None
         self.engine = AcceptanceCounts()
         self.requests: dict[str, RequestBudget] = {}
         #: the expected accepted tokens of the nodes the last :meth:`prune` kept (0 when unpriced)
         self.kept_value = 0.0
 
-    def refresh(self) -> StepCost | None:
-        """The fitted line now (``None`` before any step was timed)."""
-        return self.cost_model.fit() if self.cost_model.observed else None
+    def batch_cost(self, batch_size: int) -> BatchCost | None:
+        """A step of ``batch_size`` requests by its rows, plain or verifying nodes."""
+        return BatchCost.of(self.cost, batch_size, self.plain_cost)
 
     def wake(self) -> None:
         """Every request drafts at its next step, none sitting out (the batch probes after a rest)."""
@@ -355,12 +395,13 @@ class StepBudget:
         requests with ``other_rows`` draft rows the budget does not choose."""
         shapes = [self.drafted(req_id, tree, length) for req_id, tree, length in zip(req_ids, trees, num_tokens)]
         self.kept_value = 0.0
-        if self.cost is None:  # nothing timed yet: the drafts as proposed
+        cost = self.batch_cost(batch_size)
+        if cost is None:  # nothing timed yet: the drafts as proposed
             kept = list(trees)
         else:
             engine = self.engine_rates()
             values = [path_values(shape, self.rates(req_id, engine)) for req_id, shape in zip(req_ids, shapes)]
-            masks = choose_nodes(trees, values, batch_size, batch_size + other_rows, self.cost)
+            masks = choose_nodes(trees, values, batch_size, batch_size + other_rows, cost)
             kept = [tree.keep(mask) for tree, mask in zip(trees, masks)]
             self.kept_value = float(sum(np.asarray(v)[mask].sum() for v, mask in zip(values, masks)))
         for drafted, tree, req_id in zip(trees, kept, req_ids):

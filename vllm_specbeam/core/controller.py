@@ -1,9 +1,10 @@
 """The goodput controller's maths: what a step is expected to commit against what it costs.
 
 Every exact method speculates only where it pays. A step verifying ``R`` rows
-costs ``C(R)`` seconds (:class:`~vllm_specbeam.core.budget.StepCost`, fitted to
-the engine's steps) plus the draft model's forwards, each ``D(rows)`` seconds
-(the same hinge, fitted to the draft's own forwards). It commits one token per
+costs ``C(R)`` seconds (:class:`~vllm_specbeam.core.budget.BatchCost`, fitted
+to the engine's steps; a step with no node is timed apart) plus the draft
+model's forwards, each ``D(rows)`` seconds (the same hinge, fitted to the
+draft's own forwards). It commits one token per
 request plus, in expectation, the values of the nodes it verifies. A part of
 the step (a level of draft nodes, the draft forward that yields it) joins only
 if it raises the step's tokens per second::
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_specbeam.core.budget import BackOff, StepCost
+from vllm_specbeam.core.budget import BackOff, BatchCost, StepCost
 
 #: longest run of steps a batch goes without drafting before it probes again (it probes after 1, 2, 4, ...)
 MAX_OFF_STEPS = 16
@@ -43,17 +44,24 @@ class StepPrices:
 
     #: requests in the step
     batch_size: int
-    #: seconds of a target step by rows
+    #: seconds of a target step verifying nodes, by rows
     target: StepCost | None
     #: seconds of one draft-model forward by rows
     draft: StepCost | None = None
+    #: seconds of a plain target step (no node), by rows (``None``: the tree steps' line stands for it)
+    plain: StepCost | None = None
+
+    @property
+    def step(self) -> BatchCost | None:
+        """This batch's step by its rows, plain or verifying nodes."""
+        return BatchCost.of(self.target, self.batch_size, self.plain)
 
 
 @dataclass
 class StepLedger:
     """One step's expected committed tokens and its seconds so far, as drafting adds to them."""
 
-    target: StepCost
+    target: BatchCost
     #: ``None``: draft forwards not measured yet, priced at nothing (so that they get measured)
     draft: StepCost | None
     tokens: float
@@ -68,9 +76,10 @@ class StepLedger:
     def of(cls, prices: StepPrices, other_rows: int = 0) -> StepLedger | None:
         """A step of ``prices.batch_size`` requests, one row each plus ``other_rows`` drafted
         rows nobody prices; ``None`` before the target's steps were timed."""
-        if prices.target is None:
+        step = prices.step
+        if step is None:
             return None
-        return cls(prices.target, prices.draft, float(prices.batch_size), prices.batch_size + other_rows)
+        return cls(step, prices.draft, float(prices.batch_size), prices.batch_size + other_rows)
 
     @property
     def seconds(self) -> float:
@@ -157,11 +166,12 @@ def utility(prices: StepPrices, gain: float, rows: int, draft_seconds: float) ->
     from ``rows`` verified rows, after ``draft_seconds`` of drafting (``None`` before the target's
     steps were timed). Example: 8 requests, ``C(R) = 40 + 0.5 R`` ms, 2 tokens from 8 rows after
     3 ms: ``(10 / 51) / (8 / 44) = 1.08``; after 9 ms ``0.96``."""
-    if prices.target is None:
+    step = prices.step
+    if step is None:
         return None
     batch = prices.batch_size
-    plain = batch / max(float(prices.target.seconds(batch)), 1e-9)
-    return (batch + gain) / max(float(prices.target.seconds(batch + rows)) + draft_seconds, 1e-9) / plain
+    plain = batch / max(float(step.seconds(batch)), 1e-9)
+    return (batch + gain) / max(float(step.seconds(batch + rows)) + draft_seconds, 1e-9) / plain
 
 
 class Switch:
@@ -201,6 +211,10 @@ class Switch:
         if not drafts:
             self._utility = None  # the next drafting step is a probe: its own utility decides
         return drafts
+
+    def rest(self) -> None:
+        """Rest the next step whatever the utility (the runner times a plain step)."""
+        self._rest.left = max(self._rest.left, 1)
 
     def after(self, utility: float | None, priced_out: bool = False) -> None:
         """Record a drafting step's :func:`utility`; ``priced_out``: the controller kept none of the

@@ -166,10 +166,11 @@ class LookupBranches:
             out.append(split)
         lookups = [share.lookup for share in out]
         masks = [np.ones(tree.num_nodes, bool) for tree in lookups]
-        if self.prices.target is not None:
+        step = self.prices.step
+        if step is not None:
             batch = self.prices.batch_size
             rows = batch + sum(share.fill_nodes for share in out)
-            masks = choose_nodes(lookups, [share.values for share in out], batch, rows, self.prices.target)
+            masks = choose_nodes(lookups, [share.values for share in out], batch, rows, step)
         return [
             LookupSplit(
                 tree.keep(mask),
