@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_specbeam.adapter.attention import cpu
 from vllm_specbeam.adapter.attention.cpu import TreeStep, _split_kv, block_layout, move_kv, recompute_tree_rows
 from vllm_specbeam.core.tree import ROOT, DraftTree
 
@@ -36,7 +37,7 @@ def write(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
 
 def read_kv(layer, cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions [0, num_keys), [R, heads, keys, head], read
-    through the learned layout the same way the plugin's gather does."""
+    through the learned layout the way the plugin's element-wise gather does."""
     step = TreeStep(
         torch.arange(block_table.shape[0]),
         torch.zeros(0),
@@ -63,6 +64,33 @@ def test_layout_round_trip(dtype):
     read_k, read_v = read_kv(layer, cache, block_table, 50)
     assert torch.equal(read_k[0], keys.transpose(0, 1))
     assert torch.equal(read_v[0], values.transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_strided_gather_reads_what_the_element_gather_reads(dtype, monkeypatch):
+    """Whole blocks read through the layout's strides (the ``vec`` ISA) give each request's keys
+    and values exactly, in the compute dtype, as the element-wise gather does (the only path
+    for a packed layout)."""
+    isa = isa_for(dtype)
+    assert (cpu.block_strides(isa, dtype, KV_HEADS, BLOCK, HEAD) is not None) == (isa == "vec")
+    cache = torch.randn(6, KV_HEADS, BLOCK, 2 * HEAD).to(dtype)
+    block_table = torch.tensor([[3, 1, 5], [0, 4, 2], [1, 1, 1]])
+    layer, num_keys = SimpleNamespace(isa=isa), 2 * BLOCK + 7
+    step = TreeStep(
+        torch.tensor([1, 0]),
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(2, 1, num_keys, dtype=torch.bool),
+        torch.zeros(0),
+        torch.zeros(0),
+    )
+    expected = [t.to(torch.float32) for t in read_kv(layer, cache, block_table[[1, 0]], num_keys)]
+    got = step.gather_kv(layer, cache, block_table, torch.float32)
+    monkeypatch.setattr(cpu, "block_strides", lambda *args: None)
+    packed = step.gather_kv(layer, cache, block_table, torch.float32)
+    for read in (got, packed):
+        assert all(t.dtype == torch.float32 and t.shape == (2, KV_HEADS, num_keys, HEAD) for t in read)
+        assert all(torch.equal(a, b) for a, b in zip(read, expected))
 
 
 def test_tree_attention_matches_dense_masked_attention():

@@ -92,6 +92,37 @@ class TreeStep:
             node_positions,
         )
 
+    def gather_kv(
+        self, layer: torch.nn.Module, kv_cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions ``[0, Kmax)`` of each request, ``[R, heads, Kmax, head]``
+        in ``dtype``. Where the layout is strided (:func:`block_strides`), the requests' blocks
+        are copied whole and read through a strided view, in one pass that converts too; else
+        element by element (:meth:`gather_index`)."""
+        _, heads, block_size, two_head = kv_cache.shape
+        head_size = two_head // 2
+        strides = block_strides(layer.isa, kv_cache.dtype, heads, block_size, head_size)
+        if strides is None:
+            storage = kv_cache.view(-1)
+            keys, values = (storage[index].to(dtype) for index in self.gather_index(layer, kv_cache, block_table))
+            return keys, values
+        requests, num_keys = self.key_mask.shape[0], self.key_mask.shape[-1]
+        per_request = -(-num_keys // block_size)
+        blocks = kv_cache[block_table[self.req_indices][:, :per_request].reshape(-1).to(torch.int64)]
+        numel = kv_cache[0].numel()
+        out = []
+        for stride in strides:
+            view = torch.as_strided(
+                blocks,
+                (requests, per_request, block_size, heads, head_size),
+                (per_request * numel, numel, stride.position, stride.head, stride.element),
+                stride.offset,
+            )
+            dense = torch.empty((requests, heads, per_request, block_size, head_size), dtype=dtype)
+            dense.copy_(view.permute(0, 3, 1, 2, 4))  # [R, heads, blocks, block_size, head]
+            out.append(dense.view(requests, heads, per_request * block_size, head_size)[:, :, :num_keys])
+        return out[0], out[1]
+
     def gather_index(self, layer: torch.nn.Module, kv_cache: torch.Tensor, block_table: torch.Tensor):
         """Flat indices into a layer's cache storage of the keys and values of
         positions ``[0, Kmax)`` of each request, ``[R, heads, Kmax, head]``.
@@ -169,6 +200,38 @@ def block_layout(
     return key_index.view(shape), value_index.view(shape)
 
 
+@dataclass(frozen=True)
+class BlockStrides:
+    """Where element ``(position, head, element)`` of a block's keys (or values) lives in the
+    block's storage: ``offset + position * position_stride + ...``."""
+
+    offset: int
+    position: int
+    head: int
+    element: int
+
+
+@functools.cache
+def block_strides(
+    isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: int, head_size: int
+) -> tuple[BlockStrides, BlockStrides] | None:
+    """The learned layout (:func:`block_layout`) as strides, keys' then values', when both are
+    strided (vLLM 0.32's ``vec`` ISA: keys ``[heads, head, block]``, values ``[heads, block, head]``);
+    ``None`` for a packed layout."""
+    found = []
+    for index in block_layout(isa, dtype, num_kv_heads, block_size, head_size):
+        origin = int(index[0, 0, 0])
+        steps = [
+            int(index[tuple(1 if d == axis else 0 for d in range(3))]) - origin if index.shape[axis] > 1 else 0
+            for axis in range(3)
+        ]
+        grid = torch.meshgrid(*(torch.arange(n) for n in index.shape), indexing="ij")
+        if not torch.equal(index, origin + sum(g * step for g, step in zip(grid, steps))):
+            return None
+        found.append(BlockStrides(origin, *steps))
+    return found[0], found[1]
+
+
 def _layout_for(layer: torch.nn.Module, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, num_kv_heads, block_size, two_head = kv_cache.shape
     return block_layout(layer.isa, kv_cache.dtype, num_kv_heads, block_size, two_head // 2)
@@ -189,15 +252,13 @@ def recompute_tree_rows(
     Reads keys from the cache (vLLM has already written this step's rows), so
     the keys of tree rows carry the RoPE of their depth-based positions.
     """
-    key_index, value_index = step.gather_index(layer, kv_cache, block_table)
-    storage = kv_cache.view(-1)
-    keys, values = storage[key_index], storage[value_index]
-    q = query[step.query_rows].transpose(1, 2)  # [R, Hq, Rmax, D]
     compute = torch.float32
+    keys, values = step.gather_kv(layer, kv_cache, block_table, compute)  # [R, Hkv, Kmax, D] each
+    q = query[step.query_rows].transpose(1, 2)  # [R, Hq, Rmax, D]
     out = F.scaled_dot_product_attention(
         q.to(compute),
-        keys.to(compute),
-        values.to(compute),
+        keys,
+        values,
         attn_mask=step.key_mask[:, None],
         scale=impl.scale,
         enable_gqa=q.shape[1] != keys.shape[1],

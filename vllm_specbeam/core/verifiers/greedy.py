@@ -46,7 +46,9 @@ class GreedyTreeVerifier(TreeVerifier):
         row_starts: np.ndarray,
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> Verdict:
-        argmax = target.argmax(dim=-1).cpu().numpy()
+        # float32 first: exact for any logits dtype (the same argmax, first index on ties, as vLLM's
+        # sampler, which takes float32 logits), and on CPU a bfloat16 argmax costs 4x as much
+        argmax = target.to(torch.float32).argmax(dim=-1).cpu().numpy()
         accepted, tokens = [], []
         for tree, start in zip(trees, row_starts):
             rows = argmax[start : start + tree.num_nodes + 1]
