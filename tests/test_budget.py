@@ -15,6 +15,7 @@ from specs import ADED_AUTO, LOOKUP_AUTO
 
 from vllm_specbeam.core import budget as budget_module
 from vllm_specbeam.core.budget import (
+    KIND_BUCKETS,
     StepBudget,
     StepCost,
     StepCostModel,
@@ -287,7 +288,7 @@ def test_kinds_are_calibrated_apart():
     assert kept_after_training((0, 2)) == [1, 0] * 5
     assert kept_after_training((0, 0)) == [0] * 10
     past_the_last = DraftTree([5, 6], [-1, 0], kinds=[0, 9])  # kinds past the last bucket share it
-    assert TreeShape.of(past_the_last).cells == [0, 3 * 32 + 4]
+    assert TreeShape.of(past_the_last).cells == [0, (KIND_BUCKETS - 1) * 32 + 4]
 
 
 def test_kinds_survive_pruning_and_truncation():

@@ -212,16 +212,17 @@ def test_nodes_from_the_index_are_marked_through_a_merged_tree() -> None:
 
 
 def test_nodes_are_labelled_with_the_length_of_their_match() -> None:
-    """The step budget calibrates 4+, 3 and 2-token matches' nodes apart (``match_kind``)."""
+    """The step budget calibrates 4+, 3, 2 and 1-token matches' nodes apart (``match_kind``)."""
     drafter = LookupTreeDrafter(options())
     for prompt, kind in (
         ([1, 2, 3, 4, 9, 1, 2, 3, 4], 0),
         ([7, 2, 3, 4, 9, 1, 2, 3, 4], 1),
         ([7, 8, 3, 4, 9, 1, 2, 3, 4], 2),
+        ([7, 8, 5, 4, 9, 1, 2, 3, 4], 3),
     ):
         tree = drafter.propose([DraftRequest("r", np.asarray(prompt), options())])[0]
         assert tree.tokens.tolist()[:1] == [9] and set(tree.kinds.tolist()) == {kind}
-    assert [match_kind(n) for n in (1, 2, 3, 4, 5, 24)] == [2, 2, 1, 0, 0, 0]
+    assert [match_kind(n) for n in (1, 2, 3, 4, 5, 24)] == [3, 2, 1, 0, 0, 0]
 
 
 def test_the_global_scope_drafts_as_deep_as_the_match_is_long() -> None:

@@ -22,8 +22,10 @@ ANSWER = [*range(10, 18), 30]
 
 
 def lookup(scope: str) -> LookupTree:
-    extra = {"scope": "global"} if scope == "global" else {}
-    return LookupTree(parse({"method": "lookup_tree", **extra}).options, "cap", LINE)
+    """The drafter the figures below were worked out for: matches of 2 tokens or more, and the
+    global scope as deep as its match is long."""
+    extra = {"scope": "global", "depth_factor": 1.0} if scope == "global" else {}
+    return LookupTree(parse({"method": "lookup_tree", "prompt_lookup_min": 2, **extra}).options, "cap", LINE)
 
 
 def test_request_scope_steps_accepted_and_causes() -> None:

@@ -61,11 +61,11 @@ def continuations(tokens: np.ndarray, matches: Matches, depth: int) -> list[np.n
 
 def match_kind(length: int) -> int:
     """The step budget's kind (``DraftTree.kinds``) of the nodes continuing a ``length``-token
-    match: 0 for 4 tokens or more, 1 for 3, 2 for 2 or fewer. Longer matches are accepted
+    match: 0 for 4 tokens or more, 1 for 3, 2 for 2, 3 for 1. Longer matches are accepted
     more often: replaying SmolLM2's greedy HumanEval answers through ``lookup_tree`` (a one-off
     script, docs/measurements.md "Node kinds"), the target kept 92 % of the tried nodes of
     5-token matches and 60 % of 2-token ones."""
-    return 0 if length >= 4 else 1 if length == 3 else 2
+    return 0 if length >= 4 else 4 - max(length, 1)
 
 
 def match_tree(paths: list[np.ndarray], length: int, max_nodes: int) -> DraftTree:

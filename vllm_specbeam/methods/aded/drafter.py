@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from vllm_specbeam.core.budget import BackOff
+from vllm_specbeam.core.budget import FILL_KIND, BackOff
 from vllm_specbeam.core.config import Option, SpecbeamConfigError, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.core.lookup import continuations, match_ends, match_tree
@@ -49,9 +49,9 @@ SOURCE_PRIOR_KEPT, SOURCE_PRIOR_CHECKED = 0.5, 1.0
 #: how long a request's search rests after fruitless ones (1, 2, 4, 8 steps; the schedule
 #: a draft model behind lookup branches retries on too)
 SearchRest = BackOff
-#: the step budget's kind of the search's nodes (the matches' are 0-2, by match length:
+#: the step budget's kind of the search's nodes (the matches' are 0-3, by match length:
 #: :func:`~vllm_specbeam.core.lookup.match_kind`), so it learns whether they pay apart
-SEARCH_KIND = 3
+SEARCH_KIND = FILL_KIND
 
 
 @dataclass
@@ -182,7 +182,7 @@ class AdedDrafter(TreeDrafter):
             "adapt one matrix shared by all requests instead of this request's own "
             "(what a request learns then helps, or misleads, every later request)",
         ),
-        "prompt_lookup_min": Option(2, "shortest recent n-gram whose earlier continuations are drafted first", 1, 64),
+        "prompt_lookup_min": Option(1, "shortest recent n-gram whose earlier continuations are drafted first", 1, 64),
         "prompt_lookup_max": Option(
             5,
             "longest recent n-gram whose earlier continuations (in the request's own tokens) are drafted "

@@ -13,9 +13,9 @@ longer match of the recent n-gram drafts (both, on a tie). With
 ``"index_isolation": "salt"`` (the default) a request matches, and feeds, only
 the finished requests with its ``cache_salt``; a request with ``"share": false``
 is never indexed. Repeated text is worth deep drafts and novel text is not, so
-the global scope drafts as deep as the matched n-gram is long
-(``depth_factor``, as vLLM's ``suffix`` does), up to 24 tokens: a 3-token match
-drafts 3 deep, a request repeating an earlier answer 24 deep.
+the global scope drafts up to twice as deep as the matched n-gram is long
+(``depth_factor``; vLLM's ``suffix`` drafts as deep), up to 24 tokens: a 3-token
+match drafts 6 deep, a request repeating an earlier answer 24 deep.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class LookupTreeDrafter(TreeDrafter):
     merged into one trie, most frequent continuations first."""
 
     OPTIONS: ClassVar[dict[str, Option]] = {
-        "prompt_lookup_min": Option(2, "shortest suffix n-gram to look up", 1, 64),
+        "prompt_lookup_min": Option(1, "shortest suffix n-gram to look up", 1, 64),
         "prompt_lookup_max": Option(5, "longest suffix n-gram to look up", 1, 64),
         "max_matches": Option(64, "most recent matches considered per step", 1, 4096),
         "scope": Option(
@@ -64,7 +64,7 @@ class LookupTreeDrafter(TreeDrafter):
         "num_speculative_tokens": 24,
         "auto_max_nodes": 48,
         "prompt_lookup_max": 24,
-        "depth_factor": 1.0,
+        "depth_factor": 2.0,
     }
 
     @classmethod
