@@ -135,12 +135,19 @@ def load_recorded(outputs: Path, model: str, prompts: str, batch_size: int) -> t
     return prompt_ids, answers
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def recorded_run_arguments(parser: argparse.ArgumentParser, batch_size: int) -> None:
+    """The options that name a ``compare.py`` run's recorded answers (:func:`load_recorded`)."""
     parser.add_argument("--outputs", type=Path, required=True, help="outputs.json of a compare.py run")
     parser.add_argument("--model", required=True, help="the run's target (its tokenizer)")
     parser.add_argument("--prompts", default="humaneval", help="the run's prompt set")
-    parser.add_argument("--batch-size", type=int, default=8, help="the recorded batch (its prompts are the first ones)")
+    parser.add_argument(
+        "--batch-size", type=int, default=batch_size, help="the recorded run's batch (its prompts are the first ones)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    recorded_run_arguments(parser, batch_size=8)
     parser.add_argument("--method", default="lookup_tree", choices=[m for m, spec in METHODS.items() if spec.prunable])
     parser.add_argument("--options", default="{}", help="the method's options as JSON (its defaults otherwise)")
     parser.add_argument("--line", type=float, nargs=2, default=(0.050, 0.0025), metavar=("INTERCEPT_S", "SLOPE_S"))

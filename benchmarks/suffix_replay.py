@@ -66,7 +66,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from benchmarks.replay import load_recorded
+from benchmarks.replay import load_recorded, recorded_run_arguments
 from vllm_specbeam.core.budget import StepBudget, StepCost
 from vllm_specbeam.core.config import METHODS, node_cap, parse
 from vllm_specbeam.core.drafter import DraftRequest
@@ -351,10 +351,7 @@ def table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--outputs", type=Path, required=True, help="outputs.json of a compare.py run")
-    parser.add_argument("--model", required=True, help="the run's target (its tokenizer)")
-    parser.add_argument("--prompts", default="humaneval", help="the run's prompt set")
-    parser.add_argument("--batch-size", type=int, default=1, help="the recorded run's batch size")
+    recorded_run_arguments(parser, batch_size=1)
     parser.add_argument(
         "--line",
         type=float,
