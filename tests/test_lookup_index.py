@@ -16,6 +16,7 @@ from specs import LOOKUP, LOOKUP_GLOBAL
 from vllm_specbeam.core.config import TREE_OPTIONS
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.lookup import match_ends, match_kind
+from vllm_specbeam.core.tree import ROOT
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 from vllm_specbeam.methods.lookup_tree.index import REPORTED_PARTITIONS, SEPARATOR, IndexStats, SuffixIndex
 
@@ -223,6 +224,18 @@ def test_nodes_are_labelled_with_the_length_of_their_match() -> None:
         tree = drafter.propose([DraftRequest("r", np.asarray(prompt), options())])[0]
         assert tree.tokens.tolist()[:1] == [9] and set(tree.kinds.tolist()) == {kind}
     assert [match_kind(n) for n in (1, 2, 3, 4, 5, 24)] == [3, 2, 1, 0, 0, 0]
+
+
+def test_the_more_frequent_continuation_ranks_first() -> None:
+    """ "7 8" went on to 1 twice, then to 2 (the most recent): 1 is the first child, 2 its
+    sibling, whatever the recency; with one node, only 1 is drafted."""
+    tokens = np.asarray([7, 8, 1, 7, 8, 1, 7, 8, 2, 7, 8])
+    drafter = LookupTreeDrafter(options())
+    tree = drafter.propose([DraftRequest("r", tokens, options())])[0]
+    first_level = [token for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()) if parent == ROOT]
+    assert first_level == [1, 2]
+    one = drafter.propose([DraftRequest("r", tokens, options(max_nodes=1))])[0]
+    assert one.tokens.tolist() == [1]
 
 
 def test_the_global_scope_drafts_as_deep_as_the_match_is_long() -> None:
