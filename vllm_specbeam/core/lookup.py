@@ -38,18 +38,17 @@ def match_ends(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) 
     length = query.size
     if length < min_n or haystack.size == 0:
         return NO_MATCH
-    ends = np.flatnonzero(haystack == query[-1])
-    matched = np.ones(ends.size, np.int64)
-    alive = np.ones(ends.size, bool)
-    for k in range(1, min(max_n, length)):
-        ok = alive & (ends - k >= 0)
-        ok[ok] = haystack[ends[ok] - k] == query[-1 - k]
-        alive = ok
-        matched += alive
-    best = int(min(matched.max(initial=0), max_n))
+    longest = np.flatnonzero(haystack == query[-1])  # [candidates]: they match 1 token
+    best = 1 if longest.size else 0
+    for k in range(1, min(max_n, length)):  # the candidates that match k + 1 tokens, while any do
+        alive = longest[longest >= k]
+        alive = alive[haystack[alive - k] == query[-1 - k]]
+        if alive.size == 0:
+            break
+        longest, best = alive, k + 1
     if best < min_n:
         return NO_MATCH
-    return Matches(ends[matched >= best][::-1], best)
+    return Matches(longest[::-1], best)
 
 
 def continuations(tokens: np.ndarray, matches: Matches, depth: int) -> list[np.ndarray]:
