@@ -43,7 +43,7 @@ DEAR = StepCost(0.02, 1.0)
 class _PlantedLine(StepCostModel):
     """A cost model that answers :data:`DEAR` whatever the steps say."""
 
-    def fit(self) -> StepCost:
+    def fitted(self) -> StepCost:
         return DEAR
 
 

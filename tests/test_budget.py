@@ -345,9 +345,6 @@ class _FixedCost(StepCostModel):
         super().__init__()
         self.line = line
 
-    def fit(self) -> StepCost:
-        return self.line
-
     def fitted(self) -> StepCost:
         return self.line
 

@@ -53,6 +53,8 @@ from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 #: most committed tokens the draft may lag behind and still draft (it feeds them first: 32 rows cost about
 #: two one-row forwards on this project's CPU, docs/results/row-cost-epyc)
 EXPLORE_MAX_LAG = 32
+#: ``lookup_tree`` options the lookup branches override (see :class:`LookupBranches`)
+HYBRID_LOOKUP = {"prompt_lookup_min": 2}
 #: consecutive steps without a lookup branch after which the draft catches up however far it lags: the
 #: text is new, and the draft, once caught up, drafts it from then on (one step without a branch is mostly
 #: an edit in copied text, where a catch-up of the whole prompt buys a node or two)
@@ -90,6 +92,10 @@ class LookupBranches:
         lookup.update(
             LookupTreeDrafter.defaults_for({"scope": scope}), scope=scope, index_isolation=options["index_isolation"]
         )
+        # the branches the draft-model methods were measured with: matches of two tokens or more (one-token
+        # matches find a branch almost every step, and the draft catches up on new text only after steps
+        # without one), the global scope as deep as its match is long
+        lookup.update(HYBRID_LOOKUP if scope == "request" else {**HYBRID_LOOKUP, "depth_factor": 1.0})
         #: the engine-wide options of the lookup drafter (depth and node budget set per request)
         self.options = lookup
         self.drafter = LookupTreeDrafter(lookup)
