@@ -1007,8 +1007,12 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert (tree["divergence"]["identical"], tree["divergence"]["points"]) == (3, [])
         assert tree["mean_loglik_per_token"] == pytest.approx(base["mean_loglik_per_token"], abs=1e-4)
         assert math.isfinite(base["mean_loglik_per_token"]) and base["mean_loglik_per_token"] < 0
-        assert tree["counters"]["accepted"] == tree["counters"]["tree_accepted"] > 0
-        assert tree["accepted_per_step"] > 0 and tree["steps_per_output_token"] < 1
+        # trees went through the engine and its counters into the record; how many nodes were kept
+        # and accepted is the goodput controller's call on this machine (it may rest most steps of a
+        # tiny model, whose plain steps cost little beside a tree step's)
+        assert tree["counters"]["tree_trees"] > 0 and tree["counters"]["tree_steps"] > 0
+        assert tree["counters"]["accepted"] == tree["counters"]["tree_accepted"] >= 0
+        assert tree["steps_per_output_token"] <= 1
         assert tree["output_tokens"] == 3 * 24 and tree["peak_rss_mib"] > 100
         assert len(tree["tokens_per_s_runs"]) == len(base["tokens_per_s_runs"]) == 1
     # The table: one row per method and batch size, the baseline first, and cells that
@@ -1030,7 +1034,8 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert base["best setting"] == "-" and tree["best setting"] != "-"
         ratio = float(tree["tok/s (median)"]) / float(base["tok/s (median)"])
         assert float(tree["speedup"]) == pytest.approx(ratio, rel=0.01, abs=0.01)
-        assert float(tree["accepted/step"]) > 0 and float(tree["steps/token"]) < 1
+        run = runs[("lookup_tree", int(tree["batch"]))]
+        assert float(tree["accepted/step"]) == pytest.approx(run["accepted_per_step"], abs=0.005)
         assert tree["loglik/token"] == base["loglik/token"]  # lossless greedy: the same tokens
     # greedy and lossless: the bar chart alone (every method's quality is the baseline's)
     assert result["artifacts"]["plots"] == [str(out / report.BARS_PNG)]
@@ -1055,7 +1060,8 @@ def test_interleaved_benchmark_takes_turns(tiny_model, tmp_path):
     assert [method for *_, method in spans] == ["lookup_tree", "none", "none", "lookup_tree"]
     assert all(end <= later for (_, end, _), (later, _, _) in itertools.pairwise(spans))
     tree, base = runs["lookup_tree"], runs["none"]
-    assert tree["exact_match"] == 1.0 and tree["accepted_per_step"] > 0
+    assert tree["exact_match"] == 1.0 and tree["counters"]["tree_trees"] > 0  # trees verified (how many
+    # of their nodes were kept and accepted is the controller's call: test_offline_benchmark_end_to_end)
     assert tree["mean_loglik_per_token"] == pytest.approx(base["mean_loglik_per_token"], abs=1e-4)
     assert base["mean_loglik_per_token"] < 0  # scored
     ratios = [a / b for a, b in zip(tree["tokens_per_s_runs"], base["tokens_per_s_runs"], strict=True)]
