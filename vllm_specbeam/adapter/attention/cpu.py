@@ -52,6 +52,8 @@ class TreeStep:
     node_positions: torch.Tensor  # [sum of nodes]: context length + depth
     #: flat cache indices of the keys/values to read, per cache layout (filled lazily, shared by all layers)
     _gather: dict = field(default_factory=dict, repr=False)
+    #: the requests' blocks to copy whole, per block size (filled lazily, shared by all layers)
+    _blocks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def needs_attention(self) -> bool:
@@ -108,7 +110,9 @@ class TreeStep:
             return keys, values
         requests, num_keys = self.key_mask.shape[0], self.key_mask.shape[-1]
         per_request = -(-num_keys // block_size)
-        blocks = kv_cache[block_table[self.req_indices][:, :per_request].reshape(-1).to(torch.int64)]
+        if block_size not in self._blocks:  # the same for every layer of the step
+            self._blocks[block_size] = block_table[self.req_indices][:, :per_request].reshape(-1).to(torch.int64)
+        blocks = kv_cache[self._blocks[block_size]]  # [R x blocks, heads, block_size, 2 x head]
         numel = kv_cache[0].numel()
         out = []
         for stride in strides:
