@@ -27,6 +27,7 @@ import pytest
 import requests
 from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, greedy, make_prompts
 from specs import MCSD
+from test_metrics import expected_metrics, page_samples, specbeam_samples
 
 from benchmarks import processes
 from benchmarks.load import (
@@ -133,6 +134,19 @@ def accepted_metrics(url: str) -> dict:
         "accepted": prometheus(url, "vllm:spec_decode_num_accepted_tokens_total"),
         "per_position": [per_position[p] for p in sorted(per_position)],
     }
+
+
+def test_server_metrics_show_the_controller(server, tiny_model):
+    """The goodput controller's ``vllm:specbeam_*`` metrics on ``/metrics`` equal the runner's own
+    stats after a few requests (read twice first: tests/conftest.py ``rpc_after_finished``)."""
+    for prompt in make_prompts(4, seed=3):
+        assert complete(server, tiny_model, prompt).status_code == 200
+    plugin_stats(server)
+    stats = plugin_stats(server)
+    shown = specbeam_samples(page_samples(requests.get(f"{server}/metrics", timeout=10).text), tiny_model)
+    assert plugin_stats(server) == stats, "the runner stepped between the reads"
+    assert stats["steps"] > 0 and stats["nodes"] > 0
+    assert shown == expected_metrics(stats)
 
 
 def test_server_rejects_bad_per_request_option(server, spec, tiny_model):

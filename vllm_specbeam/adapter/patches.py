@@ -252,6 +252,13 @@ SCHEDULER = Target(
     "request's `cache_salt` (kept on the engine core's `Request` only) into `SamplingParams.extra_args`, for the "
     "workers' cross-request index; in the engine-core process",
 )
+PROMETHEUS_STAT_LOGGER = Target(
+    "vllm.v1.metrics.loggers:PrometheusStatLogger.__init__",
+    patch=11,
+    why="where vLLM makes an engine's Prometheus metrics, in the front end's process (the API server's, or the "
+    "`LLM`'s), a plugin engine's goodput-controller metrics join them: a collector reads what the runner "
+    "writes in the worker (`adapter/metrics.py`); nothing is added for other engines",
+)
 
 TARGETS = (
     CREATE_SPECULATIVE_CONFIG,
@@ -274,6 +281,7 @@ TARGETS = (
     RUNNER_LOGITSPROCS,
     BUILTIN_LOGITSPROCS,
     SCHEDULER,
+    PROMETHEUS_STAT_LOGGER,
 )
 
 

@@ -6,7 +6,7 @@ why; rendered into docs/patches.md), then installs the patches. If a symbol is
 missing, or another vLLM is installed, nothing else is installed, the
 problems are logged, and requesting a plugin method fails with them. The
 functions below are the patches, named "Patch N" as in ``TARGETS``; patches
-2, 5, 6, 7 and 9 fall through to vLLM when no plugin method is configured.
+2, 5, 6, 7, 9 and 11 fall through to vLLM when no plugin method is configured.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vllm_specbeam.adapter import patches
+from vllm_specbeam.adapter import metrics, patches
 from vllm_specbeam.adapter.engine_config import (
     configure_engine,
     is_carrier,
@@ -56,6 +56,7 @@ def register() -> None:
     patches.wrap(patches.NUM_LOOKAHEAD_TOKENS, draft_model.lookahead)
     patches.wrap(patches.BLOCK_HASH_EXTRA_KEYS, tree_prompt.block_hash_extra_keys)
     patches.wrap(patches.ONLINE_BEAM_SEARCH, beam_search_server.patch)
+    patches.wrap(patches.PROMETHEUS_STAT_LOGGER, metrics.with_controller_metrics)
     if current_platform.is_cpu():
         patches.wrap(patches.SAMPLE_TOKENS, cpu_generators.sample_tokens)
     if current_platform.is_cuda():
@@ -85,6 +86,7 @@ def _speculative_config(stock: Callable[..., SpeculativeConfig | None]) -> Calla
 
         patches.raise_problems()
         config = parse(spec, target_tokenizer=self.tokenizer or self.model, target_model=self.model)
+        metrics.share_directory()  # before the engine core's processes start: they inherit it
         configure_engine(self, target_parallel_config, config)
         self.additional_config = with_plugin_config(self.additional_config, config)
         self.speculative_config = vllm_carrier(config)

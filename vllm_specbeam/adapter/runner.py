@@ -39,6 +39,7 @@ from vllm_specbeam.adapter.attention import cpu as cpu_attention
 from vllm_specbeam.adapter.attention.step import check_tree_attention, distinct_kv_caches, move_kv_slots, tree_step
 from vllm_specbeam.adapter.draft_model import SearchDraftRuntime, WorkerDraftRuntime, uses_worker_draft
 from vllm_specbeam.adapter.engine_config import CACHE_SALT_KEY, plugin_config
+from vllm_specbeam.adapter.metrics import RunnerMetrics
 from vllm_specbeam.core.budget import FILL_KIND, StepBudget, StepCost, StepCostModel
 from vllm_specbeam.core.config import AUTO, METHODS, SpecbeamConfig, node_cap
 from vllm_specbeam.core.controller import StepPrices, Switch, utility
@@ -340,6 +341,8 @@ class TreeRunnerMixin:
         #: timed tree steps since the last timed plain one (one is rested for when it is overdue)
         self._steps_since_plain = 0
         self._budget_logged = time.monotonic()
+        #: the controller's Prometheus metrics, written for the front end (:mod:`.metrics`)
+        self.metrics = RunnerMetrics.for_runner(vllm_config)
 
     @functools.cached_property
     def search_draft_runtime(self) -> SearchDraftRuntime:
@@ -360,11 +363,21 @@ class TreeRunnerMixin:
         """The counters as a plain dict, for readers through ``LLM.collective_rpc``
         (tests, benchmarks), and the drafter's memory and cross-request index now (not counters)."""
         # the fitted costs, once there are (not counters: readers take them as they are)
-        lines = {} if self.budget is None else cost_stats("step_cost", self.budget.cost)
-        lines.update(cost_stats("plain_cost", None if self.budget is None else self.budget.plain_cost))
-        lines.update(cost_stats("draft_cost", self.draft_cost))
+        lines = {
+            key: value for prefix, cost in self.cost_lines.items() for key, value in cost_stats(prefix, cost).items()
+        }
         drafter = self.tree_drafter
         return {**self.tree_counts.as_dict(), STATE_BYTES: drafter.state_bytes, **drafter.index_stats, **lines}
+
+    @property
+    def cost_lines(self) -> dict[str, StepCost | None]:
+        """The fitted lines by stats prefix: the target's steps with trees and its plain steps, the draft's forwards."""
+        budget = self.budget
+        return {
+            "step_cost": None if budget is None else budget.cost,
+            "plain_cost": None if budget is None else budget.plain_cost,
+            "draft_cost": self.draft_cost,
+        }
 
     @property
     def tree_drafter(self) -> TreeDrafter:
@@ -428,6 +441,8 @@ class TreeRunnerMixin:
             if self._timed_step is not None:  # the draft's time, not the target's rows'
                 self._timed_step.draft_seconds += time.perf_counter() - start
             self.tree_counts.steps_without_draft_forward += self.tree_counts.draft_forwards == forwards
+        if ran and self.metrics is not None:
+            self.metrics.publish(self.tree_counts, self.cost_lines)
         return output
 
     def record_draft_forward(self, rows: int, seconds: float) -> None:
