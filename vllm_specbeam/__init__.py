@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-#: name -> module of the public API (the speculative beam search runs on a vLLM engine)
+#: name -> module of the public API (the beam search and beam sampling run on a vLLM engine)
 _PUBLIC = {
+    "BeamSampling": "vllm_specbeam.adapter.beam_sampling",
+    "BeamSamplingParams": "vllm_specbeam.adapter.beam_sampling",
+    "SpeculativeBeamSampling": "vllm_specbeam.adapter.beam_sampling",
     "SpeculativeBeamSearch": "vllm_specbeam.adapter.beam_search",
     "beam_search": "vllm_specbeam.adapter.beam_search",
 }

@@ -403,7 +403,7 @@ class SpeculativeBeamSearch:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        num_logprobs = 2 * params.beam_width
+        num_logprobs = self._num_logprobs(params)
         requests = []
         for inst, trees in zip(active, forests):
             inst.trees = trees
@@ -415,6 +415,10 @@ class SpeculativeBeamSearch:
                 requests.append((prompt, SamplingParams(**tree_prompt.request_params(parents, num_logprobs))))
             self.stats.draft_nodes += sum(tree.num_nodes for tree in trees)
         return requests
+
+    def _num_logprobs(self, params: Any) -> int:
+        """The top tokens the target returns per scored row: vLLM's beam search reads ``2W``."""
+        return 2 * params.beam_width
 
     def _layout(self, inst: PromptSearch, trees: list[DraftTree]) -> list[tuple[list[int], list[int]]]:
         """One prompt's scoring requests (prompt tokens, tree parents): a request per beam, or

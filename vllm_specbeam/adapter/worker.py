@@ -22,7 +22,8 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_specbeam.adapter.engine_config import V2_RUNNER_PROBLEM
 from vllm_specbeam.adapter.runner import tree_runner_class
-from vllm_specbeam.methods.dsbd.drafter import ForestRequest, draft_forests
+from vllm_specbeam.methods.dsbd.beam_sampling import SamplingLaw
+from vllm_specbeam.methods.dsbd.drafter import ForestRequest, SampleForestRequest, draft_forests, sample_forests
 
 
 def check_v1_runner(worker: Worker) -> None:
@@ -86,6 +87,16 @@ class TreeWorkerMixin:
         runtime = self.model_runner.search_draft_runtime  # type: ignore[attr-defined]
         forests = draft_forests(runtime, [ForestRequest(*request) for request in requests], width, eos)
         return [[(tree.tokens.tolist(), tree.parents.tolist()) for tree in trees] for trees in forests]
+
+    def specbeam_sample_forests(
+        self, requests: list[list[Any]], width: int, law: list[float], eos: int | None
+    ) -> list[list[Any]]:
+        """The speculative beam sampling's drafting (adapter/beam_sampling.py): per prompt
+        ``[key, beams, scores, depth, seed]``; ``law``: ``[temperature, top_k, top_p]``."""
+        runtime = self.model_runner.search_draft_runtime  # type: ignore[attr-defined]
+        sampling = SamplingLaw(float(law[0]), int(law[1]), float(law[2]))
+        forests = [SampleForestRequest(ForestRequest(*r[:4]), int(r[4])) for r in requests]
+        return sample_forests(runtime, forests, width, sampling, eos)
 
     def specbeam_release_forests(self, keys: list[str]) -> None:
         """Free finished searches' draft blocks."""

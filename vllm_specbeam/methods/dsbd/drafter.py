@@ -48,6 +48,7 @@ from vllm_specbeam.draft_runtime.drafter import (
     draft_temperature,
     sampling_probs,
 )
+from vllm_specbeam.methods.dsbd.beam_sampling import SamplingLaw, beam_joint, cut_rows, draw_pairs
 from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
 
 
@@ -155,7 +156,9 @@ class DsbdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         super().remove_requests(req_ids)
 
 
-def _start(request: DraftRequest, logits: torch.Tensor, max_nodes: int, exclude: Sequence[int]) -> DraftBeams | None:
+def _start(
+    request: DraftRequest, logits: torch.Tensor, max_nodes: int, exclude: Sequence[int]
+) -> BeamSample | DraftBeamSearch | None:
     """The request's beams: sampled, or searched for greedy requests (see the module docstring);
     its first depth without the ``exclude`` tokens (``None``: they take all the draft's mass)."""
     options = request.options
@@ -246,10 +249,6 @@ class DraftBeams(ABC):
     @abstractmethod
     def take(self, logits: torch.Tensor) -> None:
         """The draft model's logits at the nodes :meth:`select` just returned."""
-
-    @abstractmethod
-    def forest(self) -> BeamForest:
-        """The draft, once :attr:`done`."""
 
 
 class BeamSample(DraftBeams):
@@ -368,42 +367,146 @@ def draft_forests(
     """The speculative beam search's forests (:mod:`vllm_specbeam.adapter.beam_search`): per
     prompt one tree per beam, from the draft's beam search over all the prompt's beams,
     ``width`` pairs per depth, scores starting from the beams' own; an EOS candidate ends its
-    beam. The runtime keeps one state per prompt: the beams' common prefix is committed, their
-    differing tails are tree nodes below it. All prompts are drafted together, one batched
-    draft forward per depth.
+    beam. All prompts are drafted together, one batched draft forward per depth
+    (:func:`_beam_starts`)."""
+    starts = _beam_starts(runtime, requests, width)
+    searches = {
+        i: DraftBeamSearch(requests[i].key, [width] * requests[i].depth, s.rows, s.ends, s.scores, s.first_node, eos)
+        for i, s in starts.items()
+    }
+    draft_beams(runtime, list(searches.values()), None)
+    forests = [[DraftTree.empty() for _ in r.beams] for r in requests]
+    for i, search in searches.items():
+        forests[i] = _beam_trees(search, starts[i].ends, starts[i].first_node)
+    return forests
+
+
+@dataclass(frozen=True)
+class _BeamStart:
+    """Where a prompt's draft starts: its target beams' ends in the draft's tree."""
+
+    #: ``[beams, V]``: the draft's logits at each beam's end
+    rows: torch.Tensor
+    #: each beam's end node (``ROOT``: the committed prefix's last token)
+    ends: list[int]
+    #: ``[beams]``: the beams' scores
+    scores: torch.Tensor
+    #: the tree nodes the beams' tails take; drafted nodes come after them
+    first_node: int
+
+
+def _beam_starts(runtime: DraftRuntime, requests: Sequence[ForestRequest], width: int) -> dict[int, _BeamStart]:
+    """Feed every prompt's beams to the draft: the beams' common prefix is committed, their
+    differing tails are tree nodes below it (the runtime keeps one state per prompt). Prompts
+    with no depth to draft, or whose tree would not fit the draft's context, are left out.
 
     Example: beams ``[p a b]`` and ``[p a c d]`` commit ``[p a]``; the tails ``[b]``, ``[c d]``
-    are nodes 0, 1, 2 with parents ``[-1, -1, 1]``, and the search starts at nodes 0 and 2.
+    are nodes 0, 1, 2 with parents ``[-1, -1, 1]``, and the draft starts at nodes 0 and 2.
     """
     starts = []
     for request in requests:
         common = _common_prefix_len(request.beams)
         tails = DraftTree.from_paths(beam[common:] for beam in request.beams)
         starts.append((request.beams[0][:common], tails, [_walk(tails, beam[common:]) for beam in request.beams]))
-    forests = [[DraftTree.empty() for _ in r.beams] for r in requests]
     drafting = [i for i, r in enumerate(requests) if r.depth > 0]
     # reserve: every tail node and every drafted node but the last depth's are fed after the prefix
     at_prefix = runtime.sync_many(
         [(requests[i].key, starts[i][0], starts[i][1].num_nodes + width * (requests[i].depth - 1)) for i in drafting]
     )
-    # a prompt whose tree would not fit the draft's context (None) stays undrafted
     prefix_logits = {i: logits for i, logits in zip(drafting, at_prefix) if logits is not None}
-    drafting = list(prefix_logits)
-    with_tails = [i for i in drafting if starts[i][1].num_nodes]
+    with_tails = [i for i in prefix_logits if starts[i][1].num_nodes]
     extended = runtime.extend_many(
         [(requests[i].key, starts[i][1].tokens.tolist(), starts[i][1].parents.tolist()) for i in with_tails]
     )
     at_tails = dict(zip(with_tails, extended))
-    searches = {}
-    for i in drafting:
-        request, (_, tails, ends) = requests[i], starts[i]
-        rows = torch.stack([prefix_logits[i] if end == ROOT else at_tails[i][end] for end in ends])
-        scores = torch.tensor(request.scores, dtype=torch.float32)
-        searches[i] = DraftBeamSearch(request.key, [width] * request.depth, rows, ends, scores, tails.num_nodes, eos)
-    draft_beams(runtime, list(searches.values()), None)
-    for i, search in searches.items():
-        forests[i] = _beam_trees(search, starts[i][2], starts[i][1].num_nodes)
-    return forests
+    return {
+        i: _BeamStart(
+            torch.stack([prefix_logits[i] if end == ROOT else at_tails[i][end] for end in ends]),
+            ends,
+            torch.tensor(requests[i].scores, dtype=torch.float32),
+            tails.num_nodes,
+        )
+        for i, (_, tails, ends) in ((i, starts[i]) for i in prefix_logits)
+    }
+
+
+class JointBeamSample(DraftBeams):
+    """The full-width beam sampling's draft (:mod:`vllm_specbeam.adapter.beam_sampling`): each
+    depth's pairs drawn i.i.d. from :func:`~vllm_specbeam.methods.dsbd.beam_sampling.beam_joint`
+    over all live beams, the law the target's beams are drawn from; every row it drew from is
+    kept, cut, for the verifier's ``Q``. An EOS pair ends its beam (score ``-inf``)."""
+
+    def __init__(
+        self, req_id: str, widths: list[int], start: _BeamStart, law: SamplingLaw, eos: int | None, seed: int
+    ) -> None:
+        super().__init__(req_id, widths, start.ends, start.scores.to(start.rows.device), start.first_node)
+        self.law, self.eos = law, eos
+        #: this prompt's own draws (``draft_beams``' shared generator is not used): batching keeps them
+        self.generator = torch.Generator(device=start.rows.device).manual_seed(seed)
+        self.rows = self._cut(start.rows)  # [live, V]
+        #: the rows drawn from, per depth: the beams' ends', then each fed depth's nodes'
+        self.drawn_rows = [self.rows]
+        #: per depth, each pair's slot among that depth's live beams
+        self.slots: list[list[int]] = []
+
+    def _cut(self, logits: torch.Tensor) -> torch.Tensor:
+        return cut_rows(torch.log_softmax(logits.float(), dim=-1), self.law)
+
+    def _choose(self, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not bool(torch.isfinite(self.scores).any()):  # every beam ended
+            none = torch.zeros(0, dtype=torch.int64)
+            return none, none, self.scores[:0]
+        vocab = self.rows.shape[-1]
+        pairs = draw_pairs(beam_joint(self.scores, self.rows, self.law), width, self.generator)
+        beam, token = pairs // vocab, pairs % vocab
+        self.slots.append(beam.tolist())
+        scores = self.scores[beam] + self.rows[beam, token]
+        return beam, token, scores if self.eos is None else scores.masked_fill(token == self.eos, float("-inf"))
+
+    def take(self, logits: torch.Tensor) -> None:
+        self.rows = self._cut(logits)
+        self.drawn_rows.append(self.rows)
+
+    def sampled_forest(self) -> list[Any]:
+        """Plain data for ``collective_rpc``: tokens, parents (a node's, or ``-1 - b`` below
+        target beam ``b``), scores, and the rows drawn from as ``[token ids, raw logprobs]``:
+        one per target beam, then one per node of every depth but the last."""
+        parents: list[int] = []
+        start = 0
+        for depth, slots in enumerate(self.slots):
+            previous = start - len(self.slots[depth - 1]) if depth else 0
+            parents += [-1 - s if depth == 0 else previous + s for s in slots]
+            start += len(slots)
+        rows = torch.cat(self.drawn_rows[: len(self.slots)])  # [beams + fed nodes, V]
+        sparse = [[ids.tolist(), row[ids].tolist()] for row in rows for ids in [torch.isfinite(row).nonzero()[:, 0]]]
+        return [self.tokens, parents, self.node_scores, sparse]
+
+
+@dataclass(frozen=True)
+class SampleForestRequest:
+    """One prompt of a speculative beam sampling to draft below (plain data, as :class:`ForestRequest`)."""
+
+    forest: ForestRequest
+    #: seeds the draft's draws for this prompt and round
+    seed: int
+
+
+@torch.inference_mode()
+def sample_forests(
+    runtime: DraftRuntime, requests: Sequence[SampleForestRequest], width: int, law: SamplingLaw, eos: int | None
+) -> list[list[Any]]:
+    """The speculative beam sampling's forests: per prompt, ``width`` pairs per depth drawn by
+    :class:`JointBeamSample` from all its target beams (``[]``: not drafted). One batched draft
+    forward per depth for all prompts; each prompt's draws from its own seed."""
+    starts = _beam_starts(runtime, [r.forest for r in requests], width)
+    samples = {
+        i: JointBeamSample(
+            requests[i].forest.key, [width] * requests[i].forest.depth, start, law, eos, requests[i].seed
+        )
+        for i, start in starts.items()
+    }
+    draft_beams(runtime, list(samples.values()), None)
+    return [samples[i].sampled_forest() if i in samples else [] for i in range(len(requests))]
 
 
 def _common_prefix_len(sequences: Sequence[Sequence[int]]) -> int:

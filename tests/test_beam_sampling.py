@@ -1,0 +1,234 @@
+"""Full-width beam sampling: the law, the speculative step's exactness, the engine samplers.
+
+The maths tests enumerate every drafted sequence and accept/reject outcome
+exactly; the engine tests compare the speculative sampler with the target-only
+reference by a two-sample chi-square.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+
+from vllm_specbeam.methods.dsbd import beam_sampling as bs
+from vllm_specbeam.methods.dsbd.maths import residual_chain
+
+LAWS = [bs.SamplingLaw(1.0), bs.SamplingLaw(0.7, top_p=0.9), bs.SamplingLaw(1.3, top_k=5, top_p=0.8)]
+
+
+def vllm_cut(logprobs: torch.Tensor, law: bs.SamplingLaw) -> torch.Tensor:
+    """``[L, V]`` which tokens vLLM's own CPU sampler keeps (temperature, then top-k/top-p)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    rows = logprobs.shape[0]
+    k = torch.full((rows,), law.top_k) if law.top_k > 0 else None
+    p = torch.full((rows,), law.top_p) if law.top_p < 1 else None
+    return torch.isfinite(apply_top_k_top_p_pytorch(logprobs / law.temperature, k, p, allow_cpu_sync=True))
+
+
+# ---------------------------------------------------------------- rows
+@pytest.mark.parametrize("law", LAWS)
+def test_rows_are_cut_as_vllm_cuts_them(law):
+    logprobs = torch.log_softmax(torch.randn(64, 40, generator=torch.Generator().manual_seed(0)) * 2, dim=-1)
+    assert torch.equal(torch.isfinite(bs.cut_rows(logprobs, law)), vllm_cut(logprobs, law))
+
+
+@pytest.mark.parametrize("law", LAWS[1:])
+def test_a_row_cut_from_its_top_logprobs_is_exact_or_refused(law):
+    """From any number of a row's best logprobs the cut is the full row's, or refused;
+    and a nucleus is often decided from a few of them."""
+    logprobs = torch.log_softmax(torch.randn(64, 40, generator=torch.Generator().manual_seed(1)) * 3, dim=-1)
+    ordered = logprobs.sort(dim=-1, descending=True).values
+    decided_early = 0
+    for row in ordered:
+        full = bs.kept_count(row, 40, law)
+        for seen in range(1, 41):
+            try:
+                assert bs.kept_count(row[:seen], 40, law) == full
+            except bs.InexactRowError:
+                assert seen < 40
+                continue
+            decided_early += seen < 20
+            break
+    assert decided_early > 32
+
+
+def test_an_uncut_row_needs_every_logprob():
+    row = torch.log_softmax(torch.randn(30), dim=-1).sort(descending=True).values
+    with pytest.raises(bs.InexactRowError, match="nucleus"):
+        bs.kept_count(row[:29], 30, bs.SamplingLaw(1.0))
+    assert bs.kept_count(row, 30, bs.SamplingLaw(1.0)) == 30
+
+
+# ---------------------------------------------------------------- the law
+def reference_joint(scores, logprobs, law) -> torch.Tensor:
+    """The law from its definition: ``P(b, x) ∝ exp(S_b / T) p(x | b)^(1 / T)`` on the kept tokens."""
+    kept = vllm_cut(logprobs, law)
+    weights = torch.exp(scores / law.temperature).unsqueeze(-1) * logprobs.exp() ** (1 / law.temperature)
+    weights = weights * kept
+    return (weights / weights.sum()).reshape(-1)
+
+
+@pytest.mark.parametrize("law", LAWS)
+def test_the_joint_is_tempered_and_normalised_over_all_beams(law):
+    gen = torch.Generator().manual_seed(2)
+    logprobs = torch.log_softmax(torch.randn(3, 12, generator=gen, dtype=torch.float64), dim=-1)
+    scores = torch.tensor([-0.5, -2.0, -1.1], dtype=torch.float64)
+    joint = bs.beam_joint(scores, bs.cut_rows(logprobs, law), law)
+    assert torch.allclose(joint, reference_joint(scores, logprobs, law), atol=1e-12)
+    # not the per-row (one-sequence) law unless T = 1 and nothing is cut
+    per_row = torch.softmax(scores, 0).unsqueeze(-1) * torch.softmax(bs.cut_rows(logprobs, law) / law.temperature, -1)
+    assert (law == bs.SamplingLaw(1.0)) == torch.allclose(joint, per_row.reshape(-1), atol=1e-9)
+
+
+def test_pairs_are_iid_draws_from_the_joint_and_seeded():
+    joint = torch.tensor([0.5, 0.2, 0.0, 0.3])
+    draws = bs.draw_pairs(joint, 40_000, torch.Generator().manual_seed(3))
+    counts = torch.bincount(draws, minlength=4).double() / draws.numel()
+    assert counts[2] == 0 and torch.allclose(counts, joint.double(), atol=0.01)
+    again = bs.draw_pairs(joint, 40_000, torch.Generator().manual_seed(3))
+    assert torch.equal(draws, again)
+
+
+def test_hugging_face_candidates_are_distinct_and_draw_in_order_from_the_joint():
+    joint = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0])
+    gen = torch.Generator().manual_seed(4)
+    firsts, seconds = torch.zeros(5), torch.zeros(5)
+    for _ in range(4000):
+        candidates = bs.hf_candidates(joint, 2, gen)
+        assert candidates.numel() == 4 and len(set(candidates.tolist())) == 4 and 4 not in candidates
+        firsts[candidates[0]] += 1
+        seconds[candidates[1]] += 1
+    assert torch.allclose(firsts / 4000, joint, atol=0.03)
+    # without replacement: the second draw is P(x) * sum_y P(y) / (1 - P(y)), y != x
+    second = torch.tensor([sum(joint[y] * joint[x] / (1 - joint[y]) for y in range(4) if y != x) for x in range(5)])
+    assert torch.allclose(seconds / 4000, second, atol=0.03)
+
+
+def test_the_best_beam_is_length_normalised():
+    assert bs.length_normalised(-6.0, 3) > bs.length_normalised(-4.0, 1)
+    assert bs.length_normalised(-6.0, 3, length_penalty=0.0) == -6.0
+
+
+# ---------------------------------------------------------------- speculative step, enumerated
+def checked_weight(target, draft, drafts, accepts, width) -> float:
+    """The chance of this accept/reject pattern under the rule, or 0 for a pattern
+    that marks a draft after the ``width``-th acceptance as rejected (unchecked drafts
+    count once, as accepted)."""
+    chain = residual_chain(target, draft, len(drafts))
+    weight, accepted, rejections = 1.0, 0, 0
+    for pair, accept in zip(drafts, accepts):
+        if accepted == width:
+            weight *= float(accept)
+            continue
+        ratio = min(1.0, float(chain[rejections, pair] / draft[pair]))
+        weight *= ratio if accept else 1.0 - ratio
+        accepted, rejections = (accepted + 1, 0) if accept else (accepted, rejections + 1)
+    return weight
+
+
+def speculative_law(target, draft, width: int, num_drafts: int) -> dict[tuple[int, ...], float]:
+    """The exact law of the ``width`` ordered output pairs of :func:`bs.speculative_depth`."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+    pairs = range(target.numel())
+    for drafts in itertools.product(pairs, repeat=num_drafts):
+        drawn = math.prod(float(draft[d]) for d in drafts)
+        for accepts in itertools.product([True, False], repeat=num_drafts):
+            weight = drawn * checked_weight(target, draft, drafts, accepts, width)
+            if weight == 0:
+                continue
+            uniforms = torch.tensor([0.0 if a else 1.0 for a in accepts], dtype=torch.float64)
+            depth = bs.speculative_depth(target, draft, torch.tensor(drafts), uniforms, width)
+            for rest in itertools.product(pairs, repeat=len(depth.remaining)):
+                tail = math.prod(float(depth.remaining[i, x]) for i, x in enumerate(rest))
+                law[(*depth.accepted, *rest)] += weight * tail
+    return law
+
+
+def law_gap(law: dict[tuple[int, ...], float], target: torch.Tensor, width: int) -> float:
+    """The largest difference between ``law`` and ``width`` i.i.d. draws from ``target``."""
+    outcomes = itertools.product(range(target.numel()), repeat=width)
+    return max(abs(law.get(o, 0.0) - math.prod(float(target[x]) for x in o)) for o in outcomes)
+
+
+def two_beams() -> tuple[torch.Tensor, torch.Tensor, bs.SamplingLaw]:
+    """The target's and the draft's joints over 2 beams x 3 tokens."""
+    law = bs.SamplingLaw(0.8, top_p=0.95)
+    target_rows = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]], dtype=torch.float64))
+    draft_rows = torch.log(torch.tensor([[0.3, 0.3, 0.4], [0.7, 0.2, 0.1]], dtype=torch.float64))
+    scores = torch.tensor([-0.4, -1.1], dtype=torch.float64)
+    target = bs.beam_joint(scores, bs.cut_rows(target_rows, law), law)
+    draft = bs.beam_joint(torch.tensor([-0.9, -0.6], dtype=torch.float64), bs.cut_rows(draft_rows, law), law)
+    return target, draft, law
+
+
+@pytest.mark.parametrize("width,num_drafts", [(2, 3), (3, 2), (1, 2)])
+def test_the_speculative_step_draws_width_iid_pairs_from_the_target(width, num_drafts):
+    target, draft, _ = two_beams()
+    assert law_gap(speculative_law(target, draft, width, num_drafts), target, width) < 1e-9
+
+
+def test_the_enumeration_catches_a_skipped_residual(monkeypatch):
+    target, draft, _ = two_beams()
+    monkeypatch.setattr(bs, "remaining_law", lambda outcome, target, index: target)
+    assert law_gap(speculative_law(target, draft, 2, 3), target, 2) > 1e-3
+
+
+def test_the_enumeration_catches_a_joint_normalised_per_beam(monkeypatch):
+    target, draft, law = two_beams()
+    rows = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]], dtype=torch.float64))
+    per_beam = torch.softmax(bs.cut_rows(rows, law) / law.temperature, dim=-1).reshape(-1) / 2
+    assert law_gap(speculative_law(per_beam, draft, 2, 3), target, 2) > 1e-3
+
+
+# ---------------------------------------------------------------- engine
+SAMPLES = 2000
+ENGINE = {"block_size": 32, "enable_prefix_caching": True, "enable_chunked_prefill": False}
+
+
+@pytest.fixture(scope="module")
+def llm(engines, near_draft):
+    """A draft often, not always, the target: acceptances and rejections both."""
+    spec = {"method": "dsbd", "model": near_draft, "num_speculative_tokens": 1, "max_nodes": 16}
+    return engines.get(spec, **ENGINE)
+
+
+def best_beams(outputs) -> list[tuple[int, ...]]:
+    return [tuple(out.sequences[0].tokens[-2:]) for out in outputs]
+
+
+def chi_square_p(a: list, b: list) -> float:
+    """Two-sample chi-square p-value over the categories seen (rare ones pooled)."""
+    counts: dict = defaultdict(lambda: [0, 0])
+    for i, sample in enumerate((a, b)):
+        for x in sample:
+            counts[x][i] += 1
+    cells = [c for c in counts.values() if sum(c) >= 10]
+    rare = [sum(c[i] for c in counts.values() if sum(c) < 10) for i in range(2)]
+    table = torch.tensor(cells + ([rare] if sum(rare) else []), dtype=torch.float64)  # [categories, 2]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    statistic = ((table - expected) ** 2 / expected).sum()
+    dof = table.shape[0] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+
+
+@pytest.mark.engine
+def test_speculative_beam_sampling_draws_the_reference_beams(llm, monkeypatch):
+    from conftest import make_prompts
+
+    from vllm_specbeam.adapter.beam_sampling import BeamSampling, BeamSamplingParams, SpeculativeBeamSampling
+
+    prompts = make_prompts(2)[1:] * SAMPLES
+    params = BeamSamplingParams(2, 2, temperature=0.9, top_k=3, ignore_eos=True, seed=0)
+    reference = best_beams(BeamSampling(llm).run(prompts, params))
+    sampler = SpeculativeBeamSampling(llm, draft_width=3)
+    ours = best_beams(sampler.run(prompts, BeamSamplingParams(**{**vars(params), "seed": 1})))
+    assert sum(sampler.sampling_stats.accepted_per_depth) > 0 and sampler.stats.prompt_rounds < 2 * SAMPLES
+    assert chi_square_p(ours, reference) > 0.01
+    monkeypatch.setattr(bs, "remaining_law", lambda outcome, target, index: target)
+    planted = best_beams(sampler.run(prompts, BeamSamplingParams(**{**vars(params), "seed": 2})))
+    assert chi_square_p(planted, reference) < 1e-6
