@@ -50,6 +50,7 @@ class _PlantedLine(StepCostModel):
 def _plant(worker: Any) -> None:
     budget = worker.model_runner.budget
     budget.cost_model, budget.cost = _PlantedLine(), DEAR
+    budget.chain_model, budget.chain_cost = _PlantedLine(), DEAR
 
 
 def _stats(worker: Any) -> dict[str, Any]:

@@ -235,7 +235,7 @@ def request_prompts(prompt_ids: list[list[int]], cache_salt: str | None) -> list
 
 
 #: the runner's stats that are fitted lines, not counters (``TreeRunnerMixin.tree_stats``)
-COST_PREFIXES = ("step_cost_", "plain_cost_", "draft_cost_")
+COST_PREFIXES = ("step_cost_", "chain_cost_", "plain_cost_", "draft_cost_")
 
 
 def fresh_start(llm: Any) -> None:

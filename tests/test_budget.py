@@ -16,12 +16,15 @@ from specs import ADED_AUTO, LOOKUP_AUTO
 from vllm_specbeam.core import budget as budget_module
 from vllm_specbeam.core.budget import (
     KIND_BUCKETS,
+    BatchCost,
     StepBudget,
     StepCost,
     StepCostModel,
     TreeShape,
+    branches,
     choose_counts,
     choose_nodes,
+    choose_trees_or_chains,
     matched_nodes,
     path_values,
 )
@@ -107,6 +110,47 @@ def test_choice_equals_brute_force(seed):
         tree.keep(mask)  # still a tree: raises otherwise
     best = max(speed(masks) for masks in closed_subsets(trees))
     assert speed(chosen) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_trees_or_chains_equal_brute_force_under_two_lines(seed):
+    """Where a step whose trees branch costs more than one verifying chains alone (the CPU
+    recomputes the rows off a first branch), the choice is the best tokens per second of every
+    subset hanging from the roots, each priced by its own line."""
+    rng = np.random.default_rng(100 + seed)
+    trees = [random_tree(rng, int(rng.integers(1, 6))) for _ in range(2)]
+    shape = (budget_module.DEPTH_BUCKETS, budget_module.RANK_BUCKETS)
+    rates = np.minimum.accumulate(rng.uniform(0.05, 0.95, shape), axis=1)
+    values = [np.array(path_values(TreeShape.of(tree), rates)) for tree in trees]
+    chain_line = StepCost(float(rng.uniform(0.005, 0.05)), float(rng.uniform(0.0005, 0.02)))
+    tree_line = StepCost(chain_line.intercept + float(rng.choice([0.0, rng.uniform(0.001, 0.03)])), chain_line.slope)
+    batch = 2
+    costs = {
+        branched: BatchCost.of(line, batch, chain_line) for branched, line in ((True, tree_line), (False, chain_line))
+    }
+
+    def speed(masks: list[np.ndarray]) -> float:
+        tokens = batch + sum(float(v[m].sum()) for v, m in zip(values, masks))
+        return tokens / float(costs[branches(trees, masks)].seconds(batch + sum(int(m.sum()) for m in masks)))
+
+    chosen, branched = choose_trees_or_chains(trees, values, batch, 0, costs[True], costs[False])
+    assert branched == branches(trees, chosen)
+    assert speed(chosen) == pytest.approx(max(speed(masks) for masks in closed_subsets(trees)), rel=1e-12)
+
+
+def test_a_branch_is_kept_only_where_it_pays_for_the_step_it_makes_dearer():
+    """The worked example of :func:`choose_trees_or_chains`: a chain worth 0.9 (node 0) and a
+    sibling worth 0.5 (node 1), a 20 ms step and 1 ms a row."""
+    tree, values = DraftTree([1, 2], [ROOT, ROOT]), [[0.9, 0.5]]
+    chain = BatchCost.of(StepCost(0.020, 0.001), 1, None)
+    dear, cheap = (BatchCost.of(StepCost(0.020 + extra, 0.001), 1, StepCost(0.020, 0.001)) for extra in (0.010, 0.001))
+    assert chain is not None and dear is not None and cheap is not None
+    masks, branched = choose_trees_or_chains([tree], values, 1, 0, dear, chain)
+    assert masks[0].tolist() == [True, False] and not branched
+    masks, branched = choose_trees_or_chains([tree], values, 1, 0, cheap, chain)
+    assert masks[0].tolist() == [True, True] and branched
+    # rows of trees it does not choose may branch: the trees' line alone
+    assert choose_trees_or_chains([tree], values, 1, 2, cheap, chain)[1]
 
 
 def test_expensive_rows_keep_nothing_cheap_rows_keep_everything():
@@ -349,15 +393,18 @@ class _FixedCost(StepCostModel):
         return self.line
 
 
-def _plant_cost(worker, intercept: float | None = None, slope: float = 0.0) -> None:
-    """In the worker: fix the budget's cost line, a plain step costing what the line says for
-    one row a request (``None``: fit both again from the steps). Plain floats travel: vLLM's
-    RPC serialises a dataclass into a dict."""
+def _plant_cost(worker, intercept: float | None = None, slope: float = 0.0, branches: float = 0.0) -> None:
+    """In the worker: fix the budget's cost lines, steps with chains alone and plain steps
+    costing what the line says, steps whose trees branch ``branches`` seconds more (``None``:
+    fit them all again from the steps). Plain floats travel: vLLM's RPC serialises a
+    dataclass into a dict."""
     budget = worker.model_runner.budget
     line = None if intercept is None else StepCost(intercept, slope)
-    budget.cost_model = StepCostModel() if line is None else _FixedCost(line)
+    tree = None if intercept is None else StepCost(intercept + branches, slope)
+    budget.cost_model = StepCostModel() if tree is None else _FixedCost(tree)
+    budget.chain_model = StepCostModel() if line is None else _FixedCost(line)
     budget.plain_model = StepCostModel() if line is None else _FixedCost(line)
-    budget.cost = budget.plain_cost = line
+    budget.cost, budget.chain_cost, budget.plain_cost = tree, line, line
 
 
 @pytest.mark.parametrize("config", [LOOKUP_AUTO, ADED_AUTO], ids=["lookup_tree", "aded"])

@@ -105,6 +105,17 @@ def test_speculation_comes_back_when_rows_are_free_again(engines, prompts, refer
     assert change["nodes"] > 0 and change["accepted"] > 0
 
 
+def test_dear_branches_leave_chains_and_free_branches_bring_trees_back(engines, prompts, reference) -> None:
+    """Under a planted line where a step whose trees branch costs a second more than one that
+    verifies chains alone, the budget verifies chains (no step branches) and outputs stay the
+    target's; with branches free, trees branch again."""
+    llm = engines.get(LOOKUP_AUTO)
+    dear = _exact_while(llm, (_plant_cost, None, (0.01, 0.0, 1.0)), (_plant_cost,), prompts, reference)
+    assert dear["nodes"] > 0 and dear["accepted"] > 0 and dear["steps_branched"] == 0
+    free = _exact_while(llm, (_plant_cost, None, (0.01, 0.0, 0.0)), (_plant_cost,), prompts, reference)
+    assert free["steps_branched"] > 0
+
+
 @pytest.mark.parametrize("spec", [LOOKUP_AUTO, MCSD_HYBRID], ids=["lookup_tree", "mcsd"])
 def test_greedy_exact_with_the_switch_flipping_mid_request(engines, tiny_draft, prompts, reference, spec) -> None:
     spec = spec if spec["method"] != "mcsd" else {**spec, "model": tiny_draft}

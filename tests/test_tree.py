@@ -56,6 +56,13 @@ def test_is_chain():
     assert not TREE.is_chain and not DraftTree.empty().is_chain
 
 
+def test_first_branch_is_the_leading_chain_causal_attention_verifies():
+    assert DraftTree([1, 2, 3, 4], [ROOT, 0, 1, 0]).first_branch == 3
+    assert DraftTree.chain([4, 5, 6]).first_branch == 3
+    assert DraftTree([1, 2], [ROOT, ROOT]).first_branch == 1
+    assert DraftTree.empty().first_branch == 0
+
+
 def test_truncate_keeps_a_tree():
     small = TREE.truncate(4)
     assert small.tokens.tolist() == [10, 11, 12, 13]

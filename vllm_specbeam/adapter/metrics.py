@@ -59,8 +59,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     ),
 }
 #: the fitted cost lines by ``line`` label -> the runner stats' prefix (``runner.cost_stats``):
-#: the target's steps with trees, its plain steps, the in-worker draft's forwards
-LINES: dict[str, str] = {"tree": "step_cost", "plain": "plain_cost", "draft": "draft_cost"}
+#: the target's steps with branching trees, with chains alone, its plain steps, the in-worker draft's forwards
+LINES: dict[str, str] = {"tree": "step_cost", "chain": "chain_cost", "plain": "plain_cost", "draft": "draft_cost"}
 #: a line's parts in seconds (``part`` label) -> the ``StepCost`` field; each also has its knee in rows
 PARTS: dict[str, str] = {"intercept": "intercept", "per_row": "slope", "bend": "bend"}
 COST_NAME = "vllm:specbeam_step_cost_seconds"

@@ -228,6 +228,9 @@ class TimedStep:
     start: float
     #: it verifies no node: vLLM's plain decode step, timed apart from steps that verify trees
     plain: bool
+    #: some tree in it branches (rows off a first branch: on CPU recomputed with the tree mask),
+    #: timed apart from steps whose trees are all chains
+    branched: bool = False
     #: the drafter's time within it (drafting is not a cost of the rows)
     draft_seconds: float = 0.0
 
@@ -286,6 +289,9 @@ class TreeCounts:
     steps: int = 0
     steps_off: int = 0
     steps_probed: int = 0
+    #: decode steps verifying a tree that branches (its rows off the first branch need the tree
+    #: mask; the rest verified chains alone)
+    steps_branched: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)
@@ -375,6 +381,7 @@ class TreeRunnerMixin:
         budget = self.budget
         return {
             "step_cost": None if budget is None else budget.cost,
+            "chain_cost": None if budget is None else budget.chain_cost,
             "plain_cost": None if budget is None else budget.plain_cost,
             "draft_cost": self.draft_cost,
         }
@@ -508,12 +515,13 @@ class TreeRunnerMixin:
         timed, budget = self._timed_step, self.budget
         assert budget is not None
         if timed is not None and scheduler_output.scheduled_cached_reqs.req_ids:
-            model = budget.plain_model if timed.plain else budget.cost_model
+            model = budget.plain_model if timed.plain else budget.cost_model if timed.branched else budget.chain_model
             model.observe(timed.rows, now - timed.start - timed.draft_seconds)
             self._steps_since_plain = 0 if timed.plain else self._steps_since_plain + 1
             self._timed_steps += 1
             if self._timed_steps % BUDGET_REFIT_STEPS == 1:
                 budget.cost = self._same_on_every_rank(budget.cost_model.fitted())
+                budget.chain_cost = self._same_on_every_rank(budget.chain_model.fitted())
                 budget.plain_cost = self._same_on_every_rank(budget.plain_model.fitted())
                 self.draft_cost = self._same_on_every_rank(self.draft_cost_model.fitted())
         rows = scheduler_output.total_num_scheduled_tokens
@@ -569,6 +577,9 @@ class TreeRunnerMixin:
             self._tree_step = None
             return result
         step = self._build_tree_step(trees, scheduler_output.total_num_scheduled_tokens)
+        self.tree_counts.steps_branched += bool(self._verifying) and step.needs_attention
+        if self._timed_step is not None:
+            self._timed_step.branched = step.needs_attention
         # Slots were computed from the linear positions above and stay linear;
         # only the positions the model sees (RoPE) become context + depth.
         self.positions[step.node_rows.to(self.positions.device)] = step.node_positions.to(
@@ -854,6 +865,7 @@ class TreeRunnerMixin:
             None if budget is None else budget.cost,
             self.draft_cost,
             None if budget is None else budget.plain_cost,
+            None if budget is None else budget.chain_cost,
         )
         if self.budget is not None and self.tree_drafter.cuts_to_step_cost:
             self.tree_drafter.plan_step(prices)
@@ -922,11 +934,13 @@ class TreeRunnerMixin:
         """Tell the switch what this drafting step was worth: its :func:`utility`, and whether it was
         priced out (drafts were there to verify, or a drafter that prices its own drafts was asked,
         and the controller kept none: the batch then rests whatever the utility)."""
-        assert self.switch is not None
+        assert self.switch is not None and self.budget is not None  # a switch runs only with a budget
         gain = self._expected_gain(automatic)
         rows = sum(map(len, drafts))
         offered = offered or (gain is not None and self.tree_drafter.cuts_to_step_cost and bool(automatic))
-        self.switch.after(None if gain is None else utility(prices, gain, rows, seconds), offered and rows == 0)
+        branched = self.tree_drafter.cuts_to_step_cost or self.budget.kept_branches
+        judged = None if gain is None else utility(prices, gain, rows, seconds, branched)
+        self.switch.after(judged, offered and rows == 0)
 
     def _expected_gain(self, automatic: list[bool]) -> float | None:
         """The tokens this step's trees are expected to add: the budget's kept nodes' values for

@@ -171,6 +171,14 @@ class BatchCost:
         return seconds if seconds.ndim else float(seconds)
 
 
+def step_line(branched: bool, tree: StepCost | None, chain: StepCost | None) -> StepCost | None:
+    """The line of a step whose trees branch (``tree``) or are all chains (``chain``): on CPU a
+    step with branches also recomputes the rows off each first branch, a cost per step that
+    chains never pay (:attr:`DraftTree.first_branch`). Until one is timed, the other stands for it."""
+    first, other = (tree, chain) if branched else (chain, tree)
+    return first if first is not None else other
+
+
 class StepCostModel:
     """Step seconds against rows, by exponentially weighted least squares of
     :class:`StepCost`'s hinge, its knee the best fitting of :attr:`KNEES`.
@@ -269,6 +277,56 @@ def choose_nodes(
     return np.split(chosen, np.cumsum([tree.num_nodes for tree in trees])[:-1])
 
 
+def kept_rate(
+    values: Sequence[Sequence[float]],
+    masks: Sequence[np.ndarray],
+    base_tokens: float,
+    base_rows: float,
+    cost: StepCost | BatchCost,
+) -> float:
+    """Expected committed tokens a second of a step keeping ``masks`` of nodes worth ``values``."""
+    kept = [np.asarray(v, float)[mask] for v, mask in zip(values, masks)]
+    tokens = base_tokens + sum(float(k.sum()) for k in kept)
+    return tokens / max(float(cost.seconds(base_rows + sum(k.size for k in kept))), 1e-12)
+
+
+def branches(trees: Sequence[DraftTree], masks: Sequence[np.ndarray]) -> bool:
+    """Whether keeping ``masks`` leaves a node off its tree's first branch."""
+    return any(bool(mask[tree.first_branch :].any()) for tree, mask in zip(trees, masks))
+
+
+def choose_trees_or_chains(
+    trees: Sequence[DraftTree],
+    values: Sequence[Sequence[float]],
+    batch_size: int,
+    other_rows: int,
+    tree_cost: BatchCost,
+    chain_cost: BatchCost,
+) -> tuple[list[np.ndarray], bool]:
+    """:func:`choose_nodes` for a step of ``batch_size`` requests (and ``other_rows`` rows of
+    trees it does not choose, which may branch): the best nodes under the line of steps whose
+    trees branch, or the best of the first branches alone under the chains' line, whichever
+    commits more a second; and whether the nodes kept branch.
+
+    Example: one request, a 20 ms step, 1 ms a row, 10 ms more when a tree branches; a chain
+    worth 0.9 and a sibling worth 0.5: the chain alone (1.9 tokens / 22 ms) beats both
+    (2.4 / 33 ms); with branches 1 ms dearer, both (2.4 / 24 ms against 1.9 / 22 ms).
+    """
+    rows = batch_size + other_rows
+    masks = choose_nodes(trees, values, batch_size, rows, tree_cost)
+    if other_rows:
+        return masks, True
+    firsts = [  # off a first branch: never kept
+        [*v[: t.first_branch], *[-np.inf] * (t.num_nodes - t.first_branch)] for t, v in zip(trees, values)
+    ]
+    chains = choose_nodes(trees, firsts, batch_size, rows, chain_cost)
+    if branches(trees, masks) and kept_rate(values, masks, batch_size, rows, tree_cost) > kept_rate(
+        values, chains, batch_size, rows, chain_cost
+    ):
+        return masks, True
+    return chains, False
+
+
 @dataclass
 class BackOff:
     """How long a request's drafting source (``aded``'s search, a draft model behind lookup
@@ -321,21 +379,27 @@ class StepBudget:
     """One engine's per-step node budget: acceptance per request, costs per step."""
 
     def __init__(self) -> None:
-        #: steps that verified nodes, and plain steps (one row a request), timed apart
+        #: steps that verified trees with branches, steps whose trees were all chains, and
+        #: plain steps (one row a request), timed apart
         self.cost_model = StepCostModel()
+        self.chain_model = StepCostModel()
         self.plain_model = StepCostModel()
         #: the lines decisions use, refitted by the runner (every rank of a
         #: tensor-parallel engine must decide alike, so the runner shares them)
         self.cost: StepCost | None = None
+        self.chain_cost: StepCost | None = None
         self.plain_cost: StepCost | None = None
         self.engine = AcceptanceCounts()
         self.requests: dict[str, RequestBudget] = {}
         #: the expected accepted tokens of the nodes the last :meth:`prune` kept (0 when unpriced)
         self.kept_value = 0.0
+        #: whether the nodes the last :meth:`prune` kept branch (priced by the trees' line)
+        self.kept_branches = False
 
-    def batch_cost(self, batch_size: int) -> BatchCost | None:
-        """A step of ``batch_size`` requests by its rows, plain or verifying nodes."""
-        return BatchCost.of(self.cost, batch_size, self.plain_cost)
+    def batch_cost(self, batch_size: int, branched: bool = True) -> BatchCost | None:
+        """A step of ``batch_size`` requests by its rows, plain or verifying nodes (trees that
+        branch, or chains alone: :func:`step_line`)."""
+        return BatchCost.of(step_line(branched, self.cost, self.chain_cost), batch_size, self.plain_cost)
 
     def wake(self) -> None:
         """Every request drafts at its next step, none sitting out (the batch probes after a rest)."""
@@ -395,14 +459,18 @@ class StepBudget:
         ``num_tokens``) that pay for themselves in a step of ``batch_size``
         requests with ``other_rows`` draft rows the budget does not choose."""
         shapes = [self.drafted(req_id, tree, length) for req_id, tree, length in zip(req_ids, trees, num_tokens)]
-        self.kept_value = 0.0
-        cost = self.batch_cost(batch_size)
-        if cost is None:  # nothing timed yet: the drafts as proposed
+        self.kept_value, self.kept_branches = 0.0, False
+        if self.batch_cost(batch_size) is None:  # nothing timed yet: the drafts as proposed
             kept = list(trees)
+            self.kept_branches = branches(trees, [np.ones(tree.num_nodes, bool) for tree in trees])
         else:
             engine = self.engine_rates()
             values = [path_values(shape, self.rates(req_id, engine)) for req_id, shape in zip(req_ids, shapes)]
-            masks = choose_nodes(trees, values, batch_size, batch_size + other_rows, cost)
+            tree_cost, chain_cost = self.batch_cost(batch_size), self.batch_cost(batch_size, branched=False)
+            assert tree_cost is not None and chain_cost is not None
+            masks, self.kept_branches = choose_trees_or_chains(
+                trees, values, batch_size, other_rows, tree_cost, chain_cost
+            )
             kept = [tree.keep(mask) for tree, mask in zip(trees, masks)]
             self.kept_value = float(sum(np.asarray(v)[mask].sum() for v, mask in zip(values, masks)))
         for drafted, tree, req_id in zip(trees, kept, req_ids):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_specbeam.core.budget import BackOff, BatchCost, StepCost
+from vllm_specbeam.core.budget import BackOff, BatchCost, StepCost, step_line
 
 #: longest run of steps a batch goes without drafting before it probes again (it probes after 1, 2, 4, ...)
 MAX_OFF_STEPS = 16
@@ -50,11 +50,17 @@ class StepPrices:
     draft: StepCost | None = None
     #: seconds of a plain target step (no node), by rows (``None``: the tree steps' line stands for it)
     plain: StepCost | None = None
+    #: seconds of a target step whose trees are all chains, by rows (:func:`~.budget.step_line`)
+    chain: StepCost | None = None
 
     @property
     def step(self) -> BatchCost | None:
-        """This batch's step by its rows, plain or verifying nodes."""
-        return BatchCost.of(self.target, self.batch_size, self.plain)
+        """This batch's step by its rows, plain or verifying trees (which may branch)."""
+        return self.step_of(branched=True)
+
+    def step_of(self, branched: bool) -> BatchCost | None:
+        """This batch's step by its rows, plain or verifying trees that branch, or chains alone."""
+        return BatchCost.of(step_line(branched, self.target, self.chain), self.batch_size, self.plain)
 
 
 @dataclass
@@ -161,12 +167,13 @@ class DraftGate:
         return chosen
 
 
-def utility(prices: StepPrices, gain: float, rows: int, draft_seconds: float) -> float | None:
+def utility(prices: StepPrices, gain: float, rows: int, draft_seconds: float, branched: bool = True) -> float | None:
     """A drafting step's expected tokens per second over a plain step's: ``gain`` expected tokens
-    from ``rows`` verified rows, after ``draft_seconds`` of drafting (``None`` before the target's
-    steps were timed). Example: 8 requests, ``C(R) = 40 + 0.5 R`` ms, 2 tokens from 8 rows after
-    3 ms: ``(10 / 51) / (8 / 44) = 1.08``; after 9 ms ``0.96``."""
-    step = prices.step
+    from ``rows`` verified rows (of trees that branch, or chains alone), after ``draft_seconds`` of
+    drafting (``None`` before the target's steps were timed). Example: 8 requests,
+    ``C(R) = 40 + 0.5 R`` ms, 2 tokens from 8 rows after 3 ms: ``(10 / 51) / (8 / 44) = 1.08``;
+    after 9 ms ``0.96``."""
+    step = prices.step_of(branched)
     if step is None:
         return None
     batch = prices.batch_size

@@ -177,6 +177,14 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max(initial=0))
 
+    @property
+    def first_branch(self) -> int:
+        """How many leading nodes form one chain from the root (each the child of the one
+        before): causal attention alone verifies them, the rest need the tree mask. Example:
+        parents ``[-1, 0, 1, 0]``: 3."""
+        steps = self.parents == np.arange(self.num_nodes) - 1  # [num_nodes]
+        return int(steps.size if steps.all() else np.argmin(steps))
+
     @cached_property
     def ancestor_mask(self) -> np.ndarray:
         """``mask[r, c]``: row ``c`` is row ``r`` itself or one of its ancestors.
