@@ -2,14 +2,19 @@
 
 The maths tests enumerate every drafted sequence and accept/reject outcome
 exactly; the engine tests compare the speculative sampler with the target-only
-reference by a two-sample chi-square.
+reference by a two-sample chi-square; benchmarks/beam_sampling_bench.py runs
+both on the tiny model.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +60,26 @@ def test_a_row_cut_from_its_top_logprobs_is_exact_or_refused(law):
             decided_early += seen < 20
             break
     assert decided_early > 32
+
+
+def test_batched_cuts_over_a_real_vocabulary_are_vllms_and_each_rows():
+    """Qwen2.5-Coder's 151,936 tokens, rows from flat to peaked: the batched cut is vLLM's, the
+    batched counts from each row's top 64 logprobs are the row-by-row ones, those decided are
+    the whole row's, and the cut rows travel as their kept tokens alone."""
+    vocab = 151_936
+    sharpness = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0, 8.0]).unsqueeze(-1)
+    logprobs = torch.log_softmax(torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)) * sharpness, -1)
+    top = logprobs.topk(64).values  # [6, 64]
+    for law in LAWS[1:]:
+        cut = bs.cut_rows(logprobs, law)  # [6, V]
+        assert torch.equal(torch.isfinite(cut), vllm_cut(logprobs, law))
+        kept = bs.kept_counts(top, vocab, law)  # [6]
+        assert torch.equal(kept, torch.cat([bs.kept_counts(row.unsqueeze(0), vocab, law) for row in top]))
+        decided = kept != bs.UNDECIDED
+        assert torch.equal(kept[decided], torch.isfinite(cut).sum(-1)[decided])
+        assert law.top_k or 0 < int(decided.sum()) < 6  # top_p alone: flat rows are not decided
+        shipped = bs.SparseRows.from_data(bs.SparseRows.from_cut(cut).to_data())  # the draft's rows, as sent
+        assert torch.equal(shipped.dense([4, 0, 4], vocab), cut[[4, 0, 4]].double())
 
 
 def test_an_uncut_row_needs_every_logprob():
@@ -232,3 +257,84 @@ def test_speculative_beam_sampling_draws_the_reference_beams(llm, monkeypatch):
     monkeypatch.setattr(bs, "remaining_law", lambda outcome, target, index: target)
     planted = best_beams(sampler.run(prompts, BeamSamplingParams(**{**vars(params), "seed": 2})))
     assert chi_square_p(planted, reference) < 1e-6
+
+
+# ---------------------------------------------------------------- server
+def test_a_sampled_server_request_keeps_its_seed_and_cuts():
+    """The beam-search params a request makes carry it (patch 12: BeamSearchParams has no seed,
+    top_k or top_p), and its cuts default as vLLM's sampling defaults them."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.sampling_params import BeamSearchParams
+
+    from vllm_specbeam.adapter import beam_search_server as server
+
+    to_params = server.carrying_request(CompletionRequest.to_beam_search_params)
+    request = CompletionRequest(model="m", prompt="p", use_beam_search=True, n=3, seed=7, top_p=0.9)
+    params = to_params(request, 16, {})
+    assert server.openai_request(params) is request
+    assert server.openai_request(BeamSearchParams(beam_width=3, max_tokens=16)) is None  # made elsewhere: none
+    serving = SimpleNamespace(default_sampling_params={"top_k": 20, "top_p": 0.8})
+    sampling = server.sampling_params(serving, request, params)
+    assert (sampling.beam_width, sampling.max_tokens, sampling.seed) == (3, 16, 7)
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 0.9, 20)  # request, then server
+    assert server.sampling_params(SimpleNamespace(default_sampling_params={}), request, params).top_k == 0
+
+
+# ---------------------------------------------------------------- benchmark
+def test_the_benchmark_pools_rounds_into_medians_and_ratios():
+    from benchmarks import beam_sampling_bench as bench
+
+    assert bench.round_order(0) == ["reference", "speculative"] and bench.round_order(1) == bench.round_order(0)[::-1]
+
+    def record(sampler, batch, wall, **more):
+        base = {"sampler": sampler, "width": 2, "batch_size": batch, "wall_s": wall, "output_tokens": 60}
+        return {**base, "loglik_per_token": [-0.5, -1.5], "texts": ["a", "b"], **more}
+
+    spec = {"prompt_rounds": 10, "steps": 30}
+    rounds = [
+        [record("speculative", 1, 2.0, accepted_per_depth=[8, 4], **spec), record("reference", 1, 6.0)],
+        [record("reference", 1, 4.0), record("speculative", 1, 3.0, accepted_per_depth=[6], **spec)],
+    ]
+    reference, speculative = bench.pool(rounds)
+    assert (reference["sampler"], reference["tokens_per_s"], reference["speedup"]) == ("reference", 12.5, 1.0)
+    assert speculative["tokens_per_s"] == 25.0 and speculative["speedup"] == 2.0  # medians of 30, 20 and 10, 15
+    assert speculative["steps_per_round"] == 3.0 and speculative["accepted_per_depth"] == [0.7, 0.2]
+    assert reference["mean_loglik_per_token"] == -1.0 and reference["texts"] == [["a", "b"]] * 2
+    row = read_table(bench.table([reference, speculative]))[1]
+    assert (row["speedup"], row["steps/round"], row["accepted pairs per depth"]) == ("2.00", "3.00", "0.70 / 0.20")
+
+
+def read_table(text: str) -> list[dict[str, str]]:
+    header, _, *rows = (line.strip("|").split("|") for line in text.strip().splitlines())
+    return [{h.strip(): c.strip() for h, c in zip(header, row)} for row in rows]
+
+
+@pytest.mark.server  # an engine process per round
+@pytest.mark.usefixtures("no_idle_engines")
+def test_the_benchmark_runs_both_samplers_end_to_end(tiny_model, near_draft, tmp_path):
+    from conftest import make_prompts
+
+    from benchmarks.beam_sampling_bench import SAMPLERS
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts(3)[1:]))
+    out = tmp_path / "out"
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "beam_sampling_bench.py"
+    command = [
+        *(sys.executable, str(bench), "--model", tiny_model, "--draft", near_draft, "--prompts", str(prompts)),
+        *("--max-tokens", "6", "--widths", "2", "--batch-sizes", "1", "2", "--engine-rounds", "1", "--depth", "2"),
+        *("--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--out", str(out)),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((out / "result.json").read_text())["rows"]
+    assert [(r["batch_size"], r["sampler"]) for r in rows] == [(b, s) for b in (1, 2) for s in SAMPLERS]
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and -20 < row["mean_loglik_per_token"] < 0
+        assert all(len(texts) == 2 for texts in row["texts"])
+        if row["sampler"] == "speculative":
+            assert row["steps_per_round"] >= 1 and sum(row["accepted_per_depth"]) > 0
+            assert row["speedup"] == pytest.approx(row["tokens_per_s"] / rows[rows.index(row) - 1]["tokens_per_s"])
+    assert len(read_table((out / "table.md").read_text())) == 4

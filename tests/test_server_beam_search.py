@@ -4,7 +4,7 @@ In a module of its own so that test_server.py's servers have stopped before
 these two start. Width-1 ``dsbd`` greedy completions equal ``LLM(...)``
 without speculation; the server's beam search is the speculative beam search
 and answers what vLLM's server without speculation answers, with fewer
-engine requests; sampled beam search falls back to vLLM's.
+engine requests; sampled beam search is the speculative beam sampling, seeded.
 """
 
 from __future__ import annotations
@@ -85,7 +85,36 @@ def test_server_beam_search_equals_vllm_server(dsbd_server, plain_server, tiny_m
     assert counts[dsbd_server] < 0.7 * counts[plain_server]
 
 
-def test_server_sampled_beam_search_falls_back_to_vllm(dsbd_server, tiny_model):
-    """Temperature > 0 is vLLM's own (sampled) beam search, still served."""
-    answer = beam_search(dsbd_server, tiny_model, "w1 w2 w3", n=2, max_tokens=6, temperature=0.8)
-    assert len(answer["choices"]) == 2
+def completion(url: str, model: str, prompt: str, **fields) -> requests.Response:
+    body = {"model": model, "prompt": prompt, "use_beam_search": True, **fields}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=300)
+
+
+def shape(answer: dict) -> tuple:
+    """A response's keys, its choices' keys and their count: what clients parse."""
+    return sorted(answer), sorted(answer["usage"]), [sorted(choice) for choice in answer["choices"]]
+
+
+SAMPLED = {"n": 3, "max_tokens": 12, "temperature": 0.8, "top_k": 8, "ignore_eos": True}
+
+
+def test_server_beam_sampling_is_seeded_and_keeps_vllms_shape(dsbd_server, plain_server, tiny_model):
+    """Temperature > 0 is the speculative beam sampling: a seed gives the same beams again,
+    other seeds other beams; the answer has the shape of vLLM's own server's."""
+    beams = {}
+    for seed in (5, 5, 6, 7, 8):
+        response = completion(dsbd_server, tiny_model, "w1 w2 w3", seed=seed, **SAMPLED)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        texts = [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]]
+        assert len(texts) == SAMPLED["n"] and beams.setdefault(seed, texts) == texts
+    assert len({tuple(texts) for texts in beams.values()}) > 1
+    theirs = completion(plain_server, tiny_model, "w1 w2 w3", seed=5, **SAMPLED)
+    assert shape(answer) == shape(theirs.json())
+
+
+def test_server_beam_sampling_that_cannot_be_exact_answers_400(dsbd_server, tiny_model):
+    """No top_k or top_p keeps whole rows: the server's 20 logprobs a row cannot decide them."""
+    response = completion(dsbd_server, tiny_model, "w1 w2 w3", n=2, max_tokens=4, temperature=0.8)
+    assert response.status_code == 400
+    assert "max_logprobs=-1" in response.json()["error"]["message"]

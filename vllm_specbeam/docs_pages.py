@@ -112,7 +112,7 @@ def render_patches() -> str:
         "The plugin looks each one up when it registers, in every process; a missing symbol or",
         "another vLLM version makes a plugin method fail at start-up, naming the symbol and the fix.",
         'The patches are the functions of `vllm_specbeam/adapter/plugin.py` ("Patch N");',
-        "patches 2, 5, 6, 7, 9 and 11 fall through to vLLM when no plugin method is configured.",
+        "patches 2, 5, 6, 7, 9, 11 and 12 fall through to vLLM when no plugin method is configured.",
         "",
         "| patch | vLLM symbol | kind | platform | why |",
         "|---|---|---|---|---|",

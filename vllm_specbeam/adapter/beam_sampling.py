@@ -29,17 +29,16 @@ import itertools
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from vllm_specbeam.adapter import vllm_versions
-from vllm_specbeam.adapter.beam_search import PromptSearch, SpeculativeBeamSearch
+from vllm_specbeam.adapter.beam_search import PromptSearch, Selection, SpeculativeBeamSearch
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.dsbd import beam_sampling as law_maths
-from vllm_specbeam.methods.dsbd.beam_sampling import SamplingLaw
+from vllm_specbeam.methods.dsbd.beam_sampling import SamplingLaw, SparseRows
 
 _RUNS = itertools.count()
 
@@ -98,12 +97,14 @@ class _Forest:
     parents: list[int]
     #: the draft's joint score of every node (``-inf``: an EOS pair, never extended)
     scores: list[float]
-    #: ``[token ids, raw logprobs]`` the draft drew from: per target beam, then per fed node
-    rows: list[list[list[Any]]]
+    #: the cut rows the draft drew from: per target beam, then per fed node
+    rows: SparseRows
 
     @classmethod
     def read(cls, data: list[Any]) -> _Forest:
-        return cls(*data) if data else cls([], [], [], [])
+        """From :meth:`~vllm_specbeam.methods.dsbd.drafter.JointBeamSample.sampled_forest`'s data."""
+        tokens, parents, scores, rows = data or [[], [], [], [b""] * 3]
+        return cls(tokens, parents, scores, SparseRows.from_data(rows))
 
     def depths(self) -> list[int]:
         """Each node's depth (0: below a target beam)."""
@@ -138,43 +139,55 @@ def engine_logprobs(vllm_config: Any, law: SamplingLaw) -> int:
             f"beam sampling reads raw logprobs, but the engine returns {model.logprobs_mode}: "
             "start it with logprobs_mode='raw_logprobs' (the default)"
         )
-    cap = model.get_vocab_size() if model.max_logprobs < 0 else model.max_logprobs
-    if law.top_k > cap:
+    vocab = model.get_vocab_size()
+    cap = vocab if model.max_logprobs < 0 else min(model.max_logprobs, vocab)
+    if law.row_cap is None and law.top_p == 1 and cap < vocab:
+        raise InexactBeamSamplingError(
+            f"beam sampling without top_k or top_p keeps every token of a row, but the engine returns "
+            f"{cap} logprobs per row of {vocab}: set top_k <= {cap} or top_p < 1, or start the engine "
+            "with max_logprobs=-1"
+        )
+    if law.top_k > cap and cap < vocab:
         raise InexactBeamSamplingError(
             f"top_k={law.top_k} needs {law.top_k} logprobs per row but the engine returns at most {cap}: "
             f"start it with max_logprobs={law.top_k} (or -1), or lower top_k"
         )
-    return law.top_k if law.top_k > 0 else cap
+    return min(law.top_k, cap) if law.top_k > 0 else cap
 
 
-def exact_row(
-    logprobs: dict[int, Any], num_logprobs: int, vocab: int, law: SamplingLaw
-) -> tuple[list[int], list[float]]:
-    """A row's kept tokens and raw logprobs, from vLLM's logprobs dict (its top
-    ``num_logprobs`` by rank; a prompt row also holds the next prompt token)."""
-    top = sorted(((lp.rank, t, lp.logprob) for t, lp in logprobs.items() if lp.rank <= num_logprobs))
-    values = torch.tensor([v for _, _, v in top], dtype=torch.float64)
-    try:
-        kept = law_maths.kept_count(values, vocab, law)
-    except law_maths.InexactRowError as error:
+def exact_rows(logprobs: Sequence[dict[int, Any]], num_logprobs: int, vocab: int, law: SamplingLaw) -> torch.Tensor:
+    """``[L, V]`` float64: each row's kept tokens at their raw logprobs, ``-inf`` elsewhere, from
+    vLLM's logprobs dicts (their top ``num_logprobs`` by rank; a prompt row also holds the next
+    prompt token). Refuses a row its logprobs do not decide."""
+    tops = [sorted((lp.rank, t, lp.logprob) for t, lp in row.items() if lp.rank <= num_logprobs) for row in logprobs]
+    tokens = torch.tensor([[t for _, t, _ in top] for top in tops], dtype=torch.int64)  # [L, N]
+    values = torch.tensor([[v for _, _, v in top] for top in tops], dtype=torch.float64)  # [L, N], descending
+    kept = law_maths.kept_counts(values, vocab, law)  # [L]
+    if bool((kept == law_maths.UNDECIDED).any()):
         raise InexactBeamSamplingError(
-            f"{error}: set top_k <= {num_logprobs}, a lower top_p, or start the engine with a larger "
-            "max_logprobs (-1: the whole vocabulary)"
-        ) from error
-    return [t for _, t, _ in top[:kept]], [v for _, _, v in top[:kept]]
-
-
-def dense_rows(rows: Sequence[Sequence[Sequence[Any]]], vocab: int) -> torch.Tensor:
-    """``[L, V]`` float64 raw logprobs at each row's kept tokens, ``-inf`` elsewhere."""
-    out = torch.full((len(rows), vocab), float("-inf"), dtype=torch.float64)
-    for i, (ids, values) in enumerate(rows):
-        out[i, torch.as_tensor(ids, dtype=torch.int64)] = torch.as_tensor(values, dtype=torch.float64)
-    return out
+            f"the {num_logprobs} logprobs returned for a row do not decide its top_p={law.top_p} nucleus at "
+            f"temperature {law.temperature}: set top_k <= {num_logprobs}, a lower top_p, or start the engine "
+            "with a larger max_logprobs (-1: the whole vocabulary)"
+        )
+    cut = torch.arange(values.shape[-1]).unsqueeze(0) >= kept.unsqueeze(-1)  # [L, N]
+    out = torch.full((len(tops), vocab), float("-inf"), dtype=torch.float64)
+    return out.scatter_(-1, tokens, values.masked_fill(cut, float("-inf")))
 
 
 # ---------------------------------------------------------------- shared step
+def prompt_generators(seed: int | None, count: int) -> list[torch.Generator]:
+    """Each prompt's random stream, drawn from ``seed`` (``None``: fresh randomness): the same
+    seed gives the same beams, offline or over HTTP."""
+    seeds = torch.Generator()
+    if seed is None:
+        seeds.seed()
+    else:
+        seeds.manual_seed(seed)
+    return [torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=seeds))) for _ in range(count)]
+
+
 class _Sampler:
-    """What both samplers share: prompts, random streams, the step that extends beams, the answer."""
+    """What both samplers share: prompts, the exact rows, the step that extends beams, the answer."""
 
     engine: Any
 
@@ -183,33 +196,25 @@ class _Sampler:
 
         # vLLM 0.32.0 entrypoints/generate/beam_search/offline.py: LLM.beam_search's preprocessing
         inputs = self.engine._preprocess_cmpl(list(prompts))
-        seeds = torch.Generator()
-        if params.seed is None:
-            seeds.seed()
-        else:
-            seeds.manual_seed(params.seed)
+        generators = prompt_generators(params.seed, len(inputs))
         return [
-            PromptSampling(
-                BeamSearchInstance(prompt),
-                f"{key}-{i}",
-                generator=torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=seeds))),
-            )
-            for i, prompt in enumerate(inputs)
+            PromptSampling(BeamSearchInstance(prompt), f"{key}-{i}", generator=generator)
+            for i, (prompt, generator) in enumerate(zip(inputs, generators))
         ]
 
-    def _setup(self, params: BeamSamplingParams) -> None:
-        config = self.engine.llm_engine.vllm_config
+    def prepare(self, params: BeamSamplingParams, selection: Selection | None = None) -> None:
+        """Per call: the logprobs to ask, and how beams complete and are ranked (``selection``:
+        the server's rules; default ``LLM.beam_search``'s)."""
+        config = getattr(self.engine, "llm_engine", self.engine).vllm_config
         self.num_logprobs = engine_logprobs(config, params.law)
         self.vocab = config.model_config.get_vocab_size()
-        tokenizer = self.engine.get_tokenizer()
-        fields = self.engine.llm_engine.input_processor.generation_config_fields
-        eos = tokenizer.eos_token_id
-        self.eos = frozenset() if params.ignore_eos else vllm_versions.beam_eos_token_ids(fields, eos)
-        self.draft_eos = None if params.ignore_eos else eos
-        self.sort_key = vllm_versions.sort_key(params.length_penalty, eos)
+        if selection is None:
+            fields = self.engine.llm_engine.input_processor.generation_config_fields
+            selection = Selection.offline(params, self.engine.get_tokenizer().eos_token_id, fields)
+        self.selection = selection
 
-    def _row(self, logprobs: dict[int, Any], params: BeamSamplingParams) -> tuple[list[int], list[float]]:
-        return exact_row(logprobs, self.num_logprobs, self.vocab, params.law)
+    def _rows(self, logprobs: Sequence[dict[int, Any]], params: BeamSamplingParams) -> torch.Tensor:
+        return exact_rows(logprobs, self.num_logprobs, self.vocab, params.law)  # [L, V]
 
     def _extend(self, inst: PromptSampling, parents: list[Any], rows: torch.Tensor, pairs: list[int]) -> list[int]:
         """Append each drawn pair (``slot * V + token``) to its parent beam; EOS pairs complete.
@@ -227,8 +232,8 @@ class _Sampler:
                 lora_request=parent.lora_request,
                 cum_logprob=parent.cum_logprob + float(rows[slot, token]),
             )
-            if token in self.eos:
-                inst.state.completed.append(seq)
+            if token in self.selection.eos:
+                inst.state.completed.append(self.selection.complete(seq))
             else:
                 live.append(seq)
                 kept.append(i)
@@ -241,10 +246,10 @@ class _Sampler:
         tokenizer = self.engine.get_tokenizer()
         outputs = []
         for inst in instances:
-            best = sorted(inst.state.completed + inst.state.beams, key=self.sort_key, reverse=True)
-            for beam in best[: params.beam_width]:
+            best = self.selection.best(inst.state)
+            for beam in best:
                 beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=params.skip_special_tokens)
-            outputs.append(BeamSearchOutput(sequences=best[: params.beam_width]))
+            outputs.append(BeamSearchOutput(sequences=best))
         return outputs
 
 
@@ -260,7 +265,7 @@ class BeamSampling(_Sampler):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self._setup(params)
+        self.prepare(params)
         instances = self._instances(prompts, params, f"beam-sampling-{uuid.uuid4().hex[:12]}")
         request = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_logprobs, detokenize=False)
         for _ in range(params.max_tokens):
@@ -270,8 +275,8 @@ class BeamSampling(_Sampler):
             prompts_ = [TokensPrompt(prompt_token_ids=b.tokens) for inst in active for b in inst.state.beams]
             results = iter(self.engine.generate(prompts_, request, use_tqdm=False))
             for inst in active:
-                rows = [self._row(next(results).outputs[0].logprobs[0], params) for _ in inst.state.beams]
-                self._step(inst, dense_rows(rows, self.vocab), params)
+                rows = self._rows([next(results).outputs[0].logprobs[0] for _ in inst.state.beams], params)
+                self._step(inst, rows, params)
         return self._outputs(instances, params)
 
     def _step(self, inst: PromptSampling, rows: torch.Tensor, params: BeamSamplingParams) -> None:
@@ -284,8 +289,9 @@ class BeamSampling(_Sampler):
         # transformers _beam_search: the W best non-EOS candidates by score live on; EOS ones
         # among the first W drawn complete
         drawn = law_maths.hf_candidates(joint, params.beam_width, inst.generator).tolist()
-        ended = [p for p in drawn[: params.beam_width] if p % self.vocab in self.eos]
-        running = sorted((p for p in drawn if p % self.vocab not in self.eos), key=lambda p: -float(joint[p]))
+        eos = self.selection.eos
+        ended = [p for p in drawn[: params.beam_width] if p % self.vocab in eos]
+        running = sorted((p for p in drawn if p % self.vocab not in eos), key=lambda p: -float(joint[p]))
         self._extend(inst, list(inst.state.beams), rows, ended + running[: params.beam_width])
 
 
@@ -320,11 +326,11 @@ class SpeculativeBeamSampling(_Sampler, SpeculativeBeamSearch):
 
     def run(self, prompts: Sequence[Any], params: BeamSamplingParams) -> list[Any]:  # type: ignore[override]
         """The ``W`` best of each prompt's sampled beams, as :meth:`BeamSampling.run` returns them."""
-        self._setup(params)
+        self.prepare(params)
         instances = self._instances(prompts, params, self._keys + f"-{next(_RUNS)}")
         try:
             while active := self.active(instances, params):
-                requests = self.draft_round(active, params, self.draft_eos)
+                requests = self.draft_round(active, params, self.selection.draft_eos)
                 prompts_, sampling = zip(*requests)
                 results = self.engine.generate(list(prompts_), list(sampling), use_tqdm=False)
                 self.verify_round(active, results, params, None)
@@ -337,19 +343,31 @@ class SpeculativeBeamSampling(_Sampler, SpeculativeBeamSearch):
 
     def draft_round(self, active: list[PromptSearch], params: Any, eos: int | None) -> list[tuple[Any, Any]]:
         """Draft every active prompt's forest by beam sampling in the worker; the scoring requests."""
+        data = self.engine.collective_rpc("specbeam_sample_forests", args=self._sample_args(active, params, eos))
+        return self._read_forests(active, params, data[0])
+
+    async def draft_round_async(
+        self, active: list[PromptSearch], params: Any, eos: int | None
+    ) -> list[tuple[Any, Any]]:
+        """:meth:`draft_round` for the server's event loop."""
+        data = await self.engine.collective_rpc("specbeam_sample_forests", args=self._sample_args(active, params, eos))
+        return self._read_forests(active, params, data[0])
+
+    def _sample_args(self, active: list[PromptSearch], params: Any, eos: int | None) -> tuple[Any, ...]:
+        """``specbeam_sample_forests``' arguments (plain data); draws each prompt's draft seed."""
         requests = [
             [r.key, r.beams, r.scores, r.depth, int(torch.randint(2**62, (1,), generator=inst.generator))]
-            for r, inst in zip(self._forest_requests(active, params), active)
+            for r, inst in zip(self._forest_requests(active, params), cast(list[PromptSampling], active))
         ]
         law = params.law
-        data = self.engine.collective_rpc(
-            "specbeam_sample_forests",
-            args=(requests, self._width(params), [law.temperature, law.top_k, law.top_p], eos),
-        )[0]
+        return (requests, self._width(params), [law.temperature, law.top_k, law.top_p], eos)
+
+    def _read_forests(self, active: list[PromptSearch], params: Any, data: list[Any]) -> list[tuple[Any, Any]]:
         trees = []
         for inst, forest in zip(active, data):
-            inst.forest = _Forest.read(forest)  # type: ignore[attr-defined]
-            trees.append(inst.forest.beam_trees(len(inst.state.beams))[0])  # type: ignore[attr-defined]
+            assert isinstance(inst, PromptSampling)
+            inst.forest = _Forest.read(forest)
+            trees.append(inst.forest.beam_trees(len(inst.state.beams))[0])
         return self._scoring_requests(active, params, trees)
 
     def _verify(self, inst: PromptSearch, rows: list[list[dict[int, Any]]], params: Any, selection: Any) -> int:
@@ -363,9 +381,7 @@ class SpeculativeBeamSampling(_Sampler, SpeculativeBeamSearch):
         live = [_Live(seq, b, None) for b, seq in enumerate(inst.state.beams)]
         steps = 0
         while live and inst.steps + steps < params.max_tokens:
-            target = dense_rows(
-                [self._row(rows[f.beam][0 if f.node is None else local[f.node] + 1], params) for f in live], self.vocab
-            )
+            target = self._rows([rows[f.beam][0 if f.node is None else local[f.node] + 1] for f in live], params)
             scores = torch.tensor([f.seq.cum_logprob for f in live], dtype=torch.float64)
             joint = law_maths.beam_joint(scores, target, params.law)  # [L * V]
             drafted = self._drafted(forest, depths, live, steps)
@@ -404,17 +420,17 @@ class SpeculativeBeamSampling(_Sampler, SpeculativeBeamSearch):
     ) -> tuple[list[int], list[int] | None]:
         """The depth's ``W`` pairs, and their draft nodes when all ``W`` were accepted drafts
         (``None``: the depth failed, the round ends)."""
-        draft_rows = [forest.rows[f.beam] if f.node is None else forest.rows[num_beams + f.node] for f in live]
+        draft_rows = forest.rows.dense([f.beam if f.node is None else num_beams + f.node for f in live], self.vocab)
         draft_scores = [f.seq.cum_logprob if f.node is None else forest.scores[f.node] for f in live]
-        draft = law_maths.beam_joint(
-            torch.tensor(draft_scores, dtype=torch.float64), dense_rows(draft_rows, self.vocab), params.law
-        )
-        pairs = torch.tensor([s * self.vocab + t for _, s, t in drafted], dtype=torch.int64)
+        draft = law_maths.beam_joint(torch.tensor(draft_scores, dtype=torch.float64), draft_rows, params.law)
+        # the step on the pairs either joint gives (cut rows keep a few of 150k tokens): the same law
+        support = torch.nonzero((joint > 0) | (draft > 0))[:, 0]  # [S], ascending flat pairs
+        pairs = torch.searchsorted(support, torch.tensor([s * self.vocab + t for _, s, t in drafted]))  # [D]
         uniforms = torch.rand(len(drafted), generator=inst.generator, dtype=torch.float64)
-        outcome = law_maths.speculative_depth(joint, draft, pairs, uniforms, params.beam_width)
+        outcome = law_maths.speculative_depth(joint[support], draft[support], pairs, uniforms, params.beam_width)
         accepted = self.sampling_stats.accepted_per_depth
         accepted += [0] * (depth + 1 - len(accepted))
         accepted[depth] += len(outcome.accepted)
         if not outcome.succeeded:
-            return law_maths.complete_depth(outcome, inst.generator), None
-        return outcome.accepted, [drafted[j][0] for j in outcome.outcome.accepted]
+            return support[law_maths.complete_depth(outcome, inst.generator)].tolist(), None
+        return support[outcome.accepted].tolist(), [drafted[j][0] for j in outcome.outcome.accepted]

@@ -207,6 +207,18 @@ ONLINE_BEAM_SEARCH = Target(
     why="the OpenAI server's `use_beam_search` runs the speculative beam search on `dsbd` engines "
     "(`adapter/beam_search_server.py`) and vLLM's own otherwise; in the API server's process",
 )
+COMPLETION_BEAM_PARAMS = Target(
+    "vllm.entrypoints.openai.completion.protocol:CompletionRequest.to_beam_search_params",
+    patch=12,
+    why="vLLM's `BeamSearchParams` carries no `seed`, `top_k` or `top_p`: the params a completion request makes for "
+    "`use_beam_search` carry the request too, for the speculative beam sampling (`adapter/beam_search_server.py`); "
+    "in the API server's process",
+)
+CHAT_BEAM_PARAMS = Target(
+    "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest.to_beam_search_params",
+    patch=12,
+    why="the same for chat completion requests",
+)
 NUM_LOOKAHEAD_TOKENS = Target(
     "vllm.config.vllm:VllmConfig.num_lookahead_tokens",
     "attribute",
@@ -282,6 +294,8 @@ TARGETS = (
     BUILTIN_LOGITSPROCS,
     SCHEDULER,
     PROMETHEUS_STAT_LOGGER,
+    COMPLETION_BEAM_PARAMS,
+    CHAT_BEAM_PARAMS,
 )
 
 

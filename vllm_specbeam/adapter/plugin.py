@@ -6,7 +6,7 @@ why; rendered into docs/patches.md), then installs the patches. If a symbol is
 missing, or another vLLM is installed, nothing else is installed, the
 problems are logged, and requesting a plugin method fails with them. The
 functions below are the patches, named "Patch N" as in ``TARGETS``; patches
-2, 5, 6, 7, 9 and 11 fall through to vLLM when no plugin method is configured.
+2, 5, 6, 7, 9, 11 and 12 fall through to vLLM when no plugin method is configured.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def register() -> None:
     patches.wrap(patches.NUM_LOOKAHEAD_TOKENS, draft_model.lookahead)
     patches.wrap(patches.BLOCK_HASH_EXTRA_KEYS, tree_prompt.block_hash_extra_keys)
     patches.wrap(patches.ONLINE_BEAM_SEARCH, beam_search_server.patch)
+    patches.wrap(patches.COMPLETION_BEAM_PARAMS, beam_search_server.carrying_request)
+    patches.wrap(patches.CHAT_BEAM_PARAMS, beam_search_server.carrying_request)
     patches.wrap(patches.PROMETHEUS_STAT_LOGGER, metrics.with_controller_metrics)
     if current_platform.is_cpu():
         patches.wrap(patches.SAMPLE_TOKENS, cpu_generators.sample_tokens)

@@ -26,9 +26,9 @@ fresh draws from ``P``: ``W`` exact i.i.d. draws from ``P`` in every case
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_specbeam.methods.dsbd.maths import DepthOutcome, residual_chain, verify_depth
@@ -62,57 +62,107 @@ class SamplingLaw:
 
 
 # ---------------------------------------------------------------- rows
-def _tail_bound(last: float, mass: float, count: int, temperature: float) -> float:
-    """The most ``sum p^(1/T)`` that ``count`` unseen tokens can hold: each at most
+#: :func:`kept_counts`' answer for a row its logprobs do not decide
+UNDECIDED = 0
+
+
+def _tail_bounds(last: torch.Tensor, mass: torch.Tensor, count: int, temperature: float) -> torch.Tensor:
+    """``[L]``: the most ``sum p^(1/T)`` that ``count`` unseen tokens can hold: each at most
     ``last`` (the smallest seen probability), ``mass`` in all (convex for ``T < 1``:
     mass piled at ``last``; concave for ``T > 1``: spread evenly)."""
-    if count <= 0 or mass <= 0:
-        return 0.0
+    if count <= 0:
+        return torch.zeros_like(last)
     exponent = 1.0 / temperature
     capped = count * last**exponent
     spread = mass * last ** (exponent - 1) if temperature <= 1 else count ** (1 - exponent) * mass**exponent
-    return min(capped, spread)
+    return torch.where(mass > 0, torch.minimum(capped, spread), torch.zeros_like(last))
+
+
+def kept_counts(top_logprobs: torch.Tensor, vocab: int, law: SamplingLaw) -> torch.Tensor:
+    """``[L]``: how many of each row's best tokens its cut keeps (vLLM's sampler: top-k, then
+    the smallest prefix of the tempered row holding ``top_p``, at least one token), or
+    :data:`UNDECIDED`.
+
+    ``top_logprobs``: ``[L, N]``, each row's ``N`` best raw logprobs, descending (``N = vocab``:
+    whole rows, always decided). The unseen ``vocab - N`` tokens' share is bounded
+    (:func:`_tail_bounds`), so a row is decided when both bounds give the same prefix.
+    E.g. ``N = 2`` of probabilities 0.6, 0.3 at ``T = 1``, ``top_p = 0.8``: the first two
+    hold 0.9 >= 0.8 whatever the rest: 2 kept.
+    """
+    seen = top_logprobs.double()  # [L, N]
+    count = min(seen.shape[-1], law.row_cap or vocab)
+    unseen = min(vocab, law.row_cap or vocab) - count
+    best = seen[:, 0]  # [L]
+    weights = torch.exp((seen[:, :count] - best.unsqueeze(-1)) / law.temperature)  # [L, count], best's = 1
+    mass = (1.0 - seen.exp().sum(-1)).clamp(min=0.0)  # [L]
+    tail = _tail_bounds(seen[:, count - 1].exp(), mass, unseen, law.temperature) / torch.exp(best / law.temperature)
+    before = torch.cumsum(weights, -1) - weights  # [L, count]: tempered mass before each token
+    total = weights.sum(-1)  # [L]
+    # kept iff before < top_p * Z for Z in [total, total + tail]; the unseen start after ``total``
+    fewest = (before < law.top_p * total.unsqueeze(-1)).sum(-1)  # [L]
+    most = (before < law.top_p * (total + tail).unsqueeze(-1)).sum(-1)  # [L]
+    reaches_all = total >= law.top_p * (total + tail)  # the unseen tokens (from ``total`` on) are cut
+    undecided = (fewest != most) | ((most == count) & (unseen > 0) & ~reaches_all)
+    return fewest.clamp(min=1).masked_fill(undecided, UNDECIDED)
 
 
 def kept_count(top_logprobs: torch.Tensor, vocab: int, law: SamplingLaw) -> int:
-    """How many of a row's best tokens its cut keeps (vLLM's sampler: top-k, then the
-    smallest prefix of the tempered row holding ``top_p``, at least one token).
-
-    ``top_logprobs``: the row's ``N`` best raw logprobs, descending (``N = vocab``: the
-    whole row). The unseen ``vocab - N`` tokens' share is bounded (:func:`_tail_bound`),
-    so the cut is exact when both bounds give the same prefix; else
-    :class:`InexactRowError`. E.g. ``N = 2`` of probabilities 0.6, 0.3 at ``T = 1``,
-    ``top_p = 0.8``: the first two hold 0.9 >= 0.8 whatever the rest: 2 kept.
-    """
-    seen = top_logprobs.double()
-    cap = law.row_cap or vocab
-    count = min(seen.numel(), cap)
-    weights = torch.exp((seen[:count] - seen[0]) / law.temperature)  # [count], scaled by the best's
-    unseen = min(vocab, cap) - count
-    last = float(seen[count - 1].exp())
-    tail = _tail_bound(last, max(0.0, 1.0 - float(seen.exp().sum())), unseen, law.temperature)
-    tail /= math.exp(float(seen[0]) / law.temperature)
-    before = torch.cumsum(weights, 0) - weights  # [count]: tempered mass before each token
-    total = float(weights.sum())
-    # kept iff before < top_p * Z for Z in [total, total + tail]; the unseen start after ``total``
-    fewest = int((before < law.top_p * total).sum())
-    most = int((before < law.top_p * (total + tail)).sum())
-    reaches_all = total >= law.top_p * (total + tail)  # the unseen tokens (from ``total`` on) are cut
-    if fewest != most or (most == count and unseen and not reaches_all):
+    """:func:`kept_counts` of one row (``[N]``); :class:`InexactRowError` when undecided."""
+    kept = int(kept_counts(top_logprobs.unsqueeze(0), vocab, law)[0])
+    if kept == UNDECIDED:
         raise InexactRowError(
-            f"the {seen.numel()} logprobs returned for a row do not decide its top_p={law.top_p} "
+            f"the {top_logprobs.numel()} logprobs returned for a row do not decide its top_p={law.top_p} "
             f"nucleus at temperature {law.temperature}"
         )
-    return max(1, fewest)
+    return kept
 
 
 def cut_rows(logprobs: torch.Tensor, law: SamplingLaw) -> torch.Tensor:
-    """``[L, V]`` raw logprob rows with the tokens their cut drops set to ``-inf``."""
-    ordered, order = logprobs.sort(dim=-1, descending=True)
+    """``[L, V]`` raw logprob rows with the tokens their cut drops set to ``-inf`` (one sort,
+    the counts batched: the draft cuts its rows over a real vocabulary at every depth)."""
+    ordered, order = logprobs.sort(dim=-1, descending=True)  # [L, V]
     vocab = logprobs.shape[-1]
-    kept = torch.tensor([kept_count(row, vocab, law) for row in ordered])  # [L]
-    drop = torch.arange(vocab).unsqueeze(0) >= kept.unsqueeze(-1)  # [L, V] in sorted order
+    kept = kept_counts(ordered, vocab, law)  # [L], whole rows: always decided
+    drop = torch.arange(vocab, device=logprobs.device).unsqueeze(0) >= kept.unsqueeze(-1)  # [L, V] sorted order
     return logprobs.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """Cut rows as their kept tokens only (a real vocabulary's cut row keeps a few of 150k
+    tokens); :meth:`to_data` is plain bytes for ``collective_rpc`` (vLLM's msgpack passes
+    bytes as they are, numpy arrays only with ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
+
+    #: ``[L]`` int32: kept tokens per row
+    counts: np.ndarray
+    #: ``[K]`` int32: the kept token ids, row after row
+    tokens: np.ndarray
+    #: ``[K]`` float32: their raw logprobs (the draft's rows are float32)
+    values: np.ndarray
+
+    @classmethod
+    def from_cut(cls, rows: torch.Tensor) -> SparseRows:
+        """From :func:`cut_rows`' ``[L, V]`` (``-inf``: dropped)."""
+        kept = torch.isfinite(rows)  # [L, V]
+        tokens = kept.nonzero()[:, 1]  # [K], row-major as ``rows[kept]``
+        return cls(kept.sum(-1).int().cpu().numpy(), tokens.int().cpu().numpy(), rows[kept].float().cpu().numpy())
+
+    def to_data(self) -> list[bytes]:
+        return [self.counts.tobytes(), self.tokens.tobytes(), self.values.tobytes()]
+
+    @classmethod
+    def from_data(cls, data: list[bytes]) -> SparseRows:
+        counts, tokens, values = data
+        return cls(np.frombuffer(counts, np.int32), np.frombuffer(tokens, np.int32), np.frombuffer(values, np.float32))
+
+    def dense(self, indices: list[int], vocab: int) -> torch.Tensor:
+        """``[len(indices), V]`` float64 rows: the raw logprob at kept tokens, ``-inf`` elsewhere."""
+        ends = np.cumsum(self.counts)
+        out = torch.full((len(indices), vocab), float("-inf"), dtype=torch.float64)
+        for i, row in enumerate(indices):  # a few rows: the live beams
+            span = slice(int(ends[row] - self.counts[row]), int(ends[row]))
+            out[i, torch.tensor(self.tokens[span], dtype=torch.int64)] = torch.tensor(self.values[span]).double()
+        return out
 
 
 # ---------------------------------------------------------------- the law

@@ -48,7 +48,7 @@ from vllm_specbeam.draft_runtime.drafter import (
     draft_temperature,
     sampling_probs,
 )
-from vllm_specbeam.methods.dsbd.beam_sampling import SamplingLaw, beam_joint, cut_rows, draw_pairs
+from vllm_specbeam.methods.dsbd.beam_sampling import SamplingLaw, SparseRows, beam_joint, cut_rows, draw_pairs
 from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
 
 
@@ -469,17 +469,16 @@ class JointBeamSample(DraftBeams):
 
     def sampled_forest(self) -> list[Any]:
         """Plain data for ``collective_rpc``: tokens, parents (a node's, or ``-1 - b`` below
-        target beam ``b``), scores, and the rows drawn from as ``[token ids, raw logprobs]``:
-        one per target beam, then one per node of every depth but the last."""
+        target beam ``b``), scores, and the rows drawn from (:meth:`SparseRows.to_data`): one
+        row per target beam, then one per node of every depth but the last."""
         parents: list[int] = []
         start = 0
         for depth, slots in enumerate(self.slots):
             previous = start - len(self.slots[depth - 1]) if depth else 0
             parents += [-1 - s if depth == 0 else previous + s for s in slots]
             start += len(slots)
-        rows = torch.cat(self.drawn_rows[: len(self.slots)])  # [beams + fed nodes, V]
-        sparse = [[ids.tolist(), row[ids].tolist()] for row in rows for ids in [torch.isfinite(row).nonzero()[:, 0]]]
-        return [self.tokens, parents, self.node_scores, sparse]
+        rows = SparseRows.from_cut(torch.cat(self.drawn_rows[: len(self.slots)]))  # beams + fed nodes
+        return [self.tokens, parents, self.node_scores, rows.to_data()]
 
 
 @dataclass(frozen=True)
