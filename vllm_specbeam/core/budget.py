@@ -459,15 +459,14 @@ class StepBudget:
         ``num_tokens``) that pay for themselves in a step of ``batch_size``
         requests with ``other_rows`` draft rows the budget does not choose."""
         shapes = [self.drafted(req_id, tree, length) for req_id, tree, length in zip(req_ids, trees, num_tokens)]
-        self.kept_value, self.kept_branches = 0.0, False
-        if self.batch_cost(batch_size) is None:  # nothing timed yet: the drafts as proposed
+        self.kept_value = 0.0
+        tree_cost, chain_cost = self.batch_cost(batch_size), self.batch_cost(batch_size, branched=False)
+        if tree_cost is None or chain_cost is None:  # nothing timed yet: the drafts as proposed
             kept = list(trees)
-            self.kept_branches = branches(trees, [np.ones(tree.num_nodes, bool) for tree in trees])
+            self.kept_branches = any(tree.first_branch < tree.num_nodes for tree in trees)
         else:
             engine = self.engine_rates()
             values = [path_values(shape, self.rates(req_id, engine)) for req_id, shape in zip(req_ids, shapes)]
-            tree_cost, chain_cost = self.batch_cost(batch_size), self.batch_cost(batch_size, branched=False)
-            assert tree_cost is not None and chain_cost is not None
             masks, self.kept_branches = choose_trees_or_chains(
                 trees, values, batch_size, other_rows, tree_cost, chain_cost
             )
