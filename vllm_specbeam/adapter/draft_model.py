@@ -388,7 +388,7 @@ class WorkerDraftRuntime:
     def defer(self, req_ids: Iterable[str]) -> None:
         deferred = set(req_ids)
         self._deferred |= deferred
-        self.runner.tree_counts.draft_deferred += len(deferred)
+        self.runner.tree_counts.record_draft(deferred=len(deferred))
 
     def remove(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -495,9 +495,7 @@ class WorkerDraftRuntime:
             dst = self._slots(blocks, targets)  # [moves]
             device = self.device
             move_kv_slots(self._moved_caches(), src.to(device), dst.to(device), [len(moved)], self.on_cuda)
-        counts = self.runner.tree_counts
-        counts.draft_kv_kept += len(path)
-        counts.draft_kv_moves += len(moved)
+        self.runner.tree_counts.record_draft(kv_kept=len(path), kv_moves=len(moved))
         request.new_round(request.length)
         request.valid += len(path)
 

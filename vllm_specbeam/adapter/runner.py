@@ -296,6 +296,13 @@ class TreeCounts:
     def as_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)
 
+    def record_draft(self, deferred: int = 0, kv_kept: int = 0, kv_moves: int = 0) -> None:
+        """What an in-worker draft did this step: requests it deferred, committed tokens whose
+        draft K/V it kept, and how many of those it moved to their committed slot."""
+        self.draft_deferred += deferred
+        self.draft_kv_kept += kv_kept
+        self.draft_kv_moves += kv_moves
+
 
 def cost_stats(prefix: str, cost: StepCost | None) -> dict[str, float]:
     """A fitted line as stats: ``prefix_intercept_s``, ``_per_row_s``, ``_knee_rows``, ``_bend_s``
