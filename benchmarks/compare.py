@@ -61,12 +61,22 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks import models, offline, report
-from benchmarks.host import add_dtype_option, choose_dtype, environment
-from benchmarks.plan import ADED_CORPUS, MCSD_DEPTH, MCSD_STOP, SWEEPS, VOCAB_SUFFIX, PlanOptions, plan
+from benchmarks import models, offline, plots, report, tables
+from benchmarks.host import DtypeChoice, add_dtype_option, choose_dtype, environment
+from benchmarks.plan import (
+    ADED_CORPUS,
+    MCSD_DEPTH,
+    MCSD_STOP,
+    SWEEPS,
+    VOCAB_SUFFIX,
+    EngineSpec,
+    MethodStatus,
+    PlanOptions,
+    plan,
+)
 from benchmarks.processes import add_intel_openmp_option, set_engine_environment
-from benchmarks.prompts import BUILTIN, load_prompts
-from benchmarks.worker import Scenario
+from benchmarks.prompts import BUILTIN, Prompt, load_prompts
+from benchmarks.records import Scenario
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,40 +87,17 @@ def main(argv: list[str] | None = None) -> int:
 
     model, draft = models.resolve_option(args.model), models.resolve_option(args.draft)
     assert model is not None
-    trigram, stop_model, draft_vocab = (
-        str(Path(path).resolve()) if path else None for path in (args.trigram, args.stop_model, args.draft_vocab)
-    )
+    # the optional models and files of the plugin's extra rows, resolved (None: not given)
+    given = {name: getattr(args, name) for name in ("trigram", "stop_model", "draft_vocab")}
+    files = {name: str(Path(path).resolve()) if path else None for name, path in given.items()}
     prompts = load_prompts(args.prompts, args.num_prompts)
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    options = PlanOptions(
-        methods=tuple(args.methods),
-        sweep=args.sweep,
-        draft=draft,
-        draft_dtype=args.draft_dtype,
-        trigram=trigram,
-        stop_model=stop_model,
-        draft_vocab=draft_vocab,
-        beam_widths=args.beam_widths,
-        beam_depths=args.beam_depths,
-        draft_ks=args.draft_ks,
-        mcsd_depths=args.mcsd_depths,
-    )
-    status, engines = plan(options)
+    status, engines = planned_engines(args, draft, files)
     dtype = choose_dtype(args.dtype)
-    workload = offline.Workload(
-        model=model,
-        dtype=dtype.engine,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        prompts=[p.text for p in prompts],
-        max_tokens=args.max_tokens,
-        repeats=args.repeats,
-        scenarios=scenarios(args),
-        engine_kwargs={"enforce_eager": True} if args.enforce_eager else {},
-    )
+    work = workload(args, model, dtype, prompts)
     comparison, runs = offline.compare(
-        engines, status, workload, out / "logs", args.engine_rounds, args.interleave, args.near_tie
+        engines, status, work, out / "logs", args.engine_rounds, args.interleave, args.near_tie
     )
     divergences = report.clear_margin_divergences(runs)
     if args.execute_code:
@@ -121,36 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     report.mark_best(runs)
     result: dict[str, Any] = {
         "schema_version": report.SCHEMA_VERSION,
-        "config": {
-            "argv": sys.argv if argv is None else argv,
-            "model": args.model,
-            "draft_model": args.draft,
-            "prompts": {"source": args.prompts, "count": len(prompts), "ids": [p.id for p in prompts]},
-            "max_tokens": args.max_tokens,
-            "batch_sizes": args.batch_sizes,
-            "temperatures": args.temperatures,
-            # every request's cache_salt, a scenario per entry (None: unsalted requests)
-            "cache_salts": cache_salts(args),
-            "repeats": args.repeats,
-            "engine_rounds": args.engine_rounds,
-            "interleave": args.interleave,
-            "seed": args.seed,
-            "dtype": args.dtype,
-            "engine_dtype": dtype.engine,
-            "dtype_fallback": dtype.fallback,
-            # as vLLM resolved it (the baseline's model config)
-            "dtype_resolved": comparison.records["none"]["dtype"],
-            "near_tie": args.near_tie,
-            "max_model_len": args.max_model_len,
-            "enforce_eager": args.enforce_eager,
-            "sweep": args.sweep,
-            "execute_code": args.execute_code,
-            "ignore_eos": True,
-            "trigram": trigram,
-            "stop_model": stop_model,
-            "draft_vocab": draft_vocab,
-            "plugin_sweep": "per-request extra_args on one engine started at the grid's maximum depth and nodes",
-        },
+        "config": run_config(args, sys.argv if argv is None else argv, prompts, dtype, comparison, files),
         "environment": environment(model, draft),
         "methods": {name: asdict(s) for name, s in status.items()},
         "engines": [comparison.records[e.id] for e in engines if e.id in comparison.records],
@@ -159,13 +117,104 @@ def main(argv: list[str] | None = None) -> int:
         "margin_engine": comparison.margin_engine,
         "artifacts": {"table": str(out / "table.md"), "outputs": str(out / "outputs.json")},
     }
+    written = write_outputs(args, result, runs, status, out, len(prompts))
+    report.print_clear_margin_divergences(divergences, args.near_tie)
+    for name, s in status.items():
+        if s.status != "ok":
+            print(f"- {name}: {s.status}: {s.reason}")
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def planned_engines(
+    args: argparse.Namespace, draft: str | None, files: dict[str, str | None]
+) -> tuple[dict[str, MethodStatus], list[EngineSpec]]:
+    """The plan of ``args`` (``files`` resolved); a ``--methods`` it cannot plan ends the run with why."""
+    options = PlanOptions(
+        methods=tuple(args.methods),
+        sweep=args.sweep,
+        draft=draft,
+        draft_dtype=args.draft_dtype,
+        beam_widths=args.beam_widths,
+        beam_depths=args.beam_depths,
+        draft_ks=args.draft_ks,
+        mcsd_depths=args.mcsd_depths,
+        **files,
+    )
+    try:
+        return plan(options)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+
+
+def workload(args: argparse.Namespace, model: str, dtype: DtypeChoice, prompts: list[Prompt]) -> offline.Workload:
+    return offline.Workload(
+        model=model,
+        dtype=dtype.engine,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        prompts=[p.text for p in prompts],
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        scenarios=scenarios(args),
+        engine_kwargs={"enforce_eager": True} if args.enforce_eager else {},
+    )
+
+
+def run_config(
+    args: argparse.Namespace,
+    argv: list[str],
+    prompts: list[Prompt],
+    dtype: DtypeChoice,
+    comparison: offline.Comparison,
+    files: dict[str, str | None],
+) -> dict[str, Any]:
+    """The result's ``config``: the command line, as resolved."""
+    return {
+        "argv": argv,
+        "model": args.model,
+        "draft_model": args.draft,
+        "prompts": {"source": args.prompts, "count": len(prompts), "ids": [p.id for p in prompts]},
+        "max_tokens": args.max_tokens,
+        "batch_sizes": args.batch_sizes,
+        "temperatures": args.temperatures,
+        # every request's cache_salt, a scenario per entry (None: unsalted requests)
+        "cache_salts": cache_salts(args),
+        "repeats": args.repeats,
+        "engine_rounds": args.engine_rounds,
+        "interleave": args.interleave,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "engine_dtype": dtype.engine,
+        "dtype_fallback": dtype.fallback,
+        # as vLLM resolved it (the baseline's model config)
+        "dtype_resolved": comparison.records["none"]["dtype"],
+        "near_tie": args.near_tie,
+        "max_model_len": args.max_model_len,
+        "enforce_eager": args.enforce_eager,
+        "sweep": args.sweep,
+        "execute_code": args.execute_code,
+        "ignore_eos": True,
+        **files,
+        "plugin_sweep": "per-request extra_args on one engine started at the grid's maximum depth and nodes",
+    }
+
+
+def write_outputs(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    runs: list[dict[str, Any]],
+    status: dict[str, MethodStatus],
+    out: Path,
+    num_prompts: int,
+) -> list[Path]:
+    """The plots, ``result.json``, ``outputs.json`` and ``table.md`` (printed too); the paths worth naming."""
     title = (
-        f"{Path(args.model).name} · {args.prompts} x{len(prompts)} · {args.max_tokens} tokens · "
+        f"{Path(args.model).name} · {args.prompts} x{num_prompts} · {args.max_tokens} tokens · "
         f"{result['environment']['cpu_affinity']} CPUs · {result['config']['dtype_resolved']}"
     )
-    kinds = {name: s.kind for name, s in status.items()}
-    plots = report.write_plots(result["runs"], kinds, out, title)
-    result["artifacts"]["plots"] = [str(path) for path in plots]
+    written_plots = plots.write_plots(result["runs"], {name: s.kind for name, s in status.items()}, out, title)
+    result["artifacts"]["plots"] = [str(path) for path in written_plots]
     report.validate_result(result)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     outputs = [
@@ -175,16 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     (out / "outputs.json").write_text(json.dumps(outputs, indent=1))
     table = (
-        report.offline_table(result["runs"]) + report.beam_table(result["runs"]) + report.settings_table(result["runs"])
+        tables.offline_table(result["runs"]) + tables.beam_table(result["runs"]) + tables.settings_table(result["runs"])
     )
     (out / "table.md").write_text(table)
     print(table)
-    report.print_clear_margin_divergences(divergences, args.near_tie)
-    for name, s in status.items():
-        if s.status != "ok":
-            print(f"- {name}: {s.status}: {s.reason}")
-    print("wrote " + ", ".join(str(path) for path in [out / "result.json", out / "table.md", *plots]))
-    return 0
+    return [out / "result.json", out / "table.md", *written_plots]
 
 
 #: ``--cache-salt``'s word for unsalted requests
@@ -205,6 +249,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_model_options(parser)
+    add_workload_options(parser)
+    add_method_options(parser)
+    add_dtype_option(parser)
+    add_engine_options(parser)
+    add_intel_openmp_option(parser)
+    add_output_options(parser)
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The target, the draft, and the optional files of the plugin's extra rows."""
     parser.add_argument("--model", default=models.DEFAULT_MODEL, help="target: path or hub name (default %(default)s)")
     parser.add_argument(
         "--draft",
@@ -228,6 +286,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also run every plugin draft-model method with this draft vocabulary (vllm-specbeam draft-vocab "
         f"build), reported as '<method>{VOCAB_SUFFIX}'",
     )
+
+
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """The prompts, the scenarios and how often each runs."""
     parser.add_argument("--prompts", default="humaneval", help=f"{' | '.join(BUILTIN)} | path to JSONL with 'prompt'")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -256,6 +318,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="keep every engine alive and alternate their timed runs, one each in turn: for a machine "
         "whose speed drifts within minutes (needs every engine's memory at once)",
     )
+
+
+def add_method_options(parser: argparse.ArgumentParser) -> None:
+    """Which methods run, and their sweeps."""
     parser.add_argument(
         "--methods",
         nargs="+",
@@ -295,7 +361,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the speculative beam search's draft depths, each a setting (default: the engine's depth)",
     )
-    add_dtype_option(parser)
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """How the engines run, and what counts as a divergence."""
     parser.add_argument(
         "--near-tie",
         type=float,
@@ -317,7 +386,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="engines without torch.compile or graphs: quicker starts, slower steps (for checks, not figures)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    add_intel_openmp_option(parser)
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """The code execution and where the results go."""
     parser.add_argument(
         "--execute-code",
         action="store_true",
@@ -325,7 +397,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--code-timeout", type=float, default=5.0)
     parser.add_argument("--out", default=f"results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    args = parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check alone, refused with the fix."""
     if min(args.batch_sizes) < 1:
         parser.error("batch sizes must be >= 1")
     if args.engine_rounds < 1:
@@ -337,7 +412,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--near-tie is a logit margin: give a number >= 0")
     if args.interleave and args.engine_rounds > 1:
         parser.error("--interleave runs every engine once, its runs alternating with the others': drop --engine-rounds")
-    return args
 
 
 if __name__ == "__main__":

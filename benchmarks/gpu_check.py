@@ -98,6 +98,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not the repository
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_kernels import KERNEL_TESTS, StageError, append_record, read_records
 from benchmarks.process_group import stop_group
 
 PASSES = ("eager", "compiled")
@@ -177,10 +178,6 @@ def settings_of(args: argparse.Namespace) -> Settings:
 
 
 # ---------------------------------------------------------------- commands in their own process groups
-class StageError(RuntimeError):
-    """A stage's failure, said in one line."""
-
-
 @dataclass
 class Clock:
     """A running stage's log and budget: each command it runs gets what is left of the budget."""
@@ -418,13 +415,12 @@ def stage_environment(s: Settings, clock: Clock) -> str:
 
 
 def stage_kernels(s: Settings, clock: Clock) -> str:
-    tests = ["tests/kernels/test_tree_attention.py", "tests/kernels/test_kv_move.py"]
     interpret = "1" if s.dry_run else "0"
     device = "cpu" if s.dry_run else "cuda"
     check = f"import test_tree_attention as t; assert t.DEVICE == {device!r}, t.DEVICE"
     env = {"TRITON_INTERPRET": interpret, "PYTHONPATH": str(ROOT / "tests" / "kernels")}
     run(clock, [str(s.python), "-c", check], env=env)
-    tail = run(clock, [str(s.python), "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider"], env=env)
+    tail = run(clock, [str(s.python), "-m", "pytest", *KERNEL_TESTS, "-q", "-p", "no:cacheprovider"], env=env)
     where = "Triton interpreter (dry run)" if s.dry_run else "compiled for the GPU"
     return f"{where}: {tail.strip().splitlines()[-1]}"
 
@@ -453,9 +449,9 @@ def stage_greedy(s: Settings, clock: Clock, pass_: str) -> str:
     try:
         run(clock, [str(s.python), __file__, *worker])
     except StageError as error:
-        lines, _ = greedy_summary(_records(results), s.near_tie)
+        lines, _ = greedy_summary(read_records(results), s.near_tie)
         raise StageError(f"{error}. Finished before it: {'; '.join(lines) or 'no engine'}") from None
-    lines, clear = greedy_summary(_records(results), s.near_tie)
+    lines, clear = greedy_summary(read_records(results), s.near_tie)
     if clear:
         raise StageError("divergences at a clear margin: " + "; ".join(clear))
     return "; ".join(lines)
@@ -489,14 +485,6 @@ def greedy_summary(records: list[dict[str, Any]], near_tie: float) -> tuple[list
             if margins.get((p, i), 0.0) >= near_tie
         ]
     return lines, clear
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines written so far (a stopped writer may leave its last line cut)."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [json.loads(line) for line in lines if line.endswith("}")]
 
 
 def stage_compare(s: Settings, clock: Clock) -> str:
@@ -674,20 +662,20 @@ def greedy_worker(s: Settings, pass_: str, result: Path) -> None:
 
     began = time.monotonic()
     reference = outputs(None)
-    _append(result, {"engine": "none", "diverged": None, "seconds": time.monotonic() - began})
+    append_record(result, {"engine": "none", "diverged": None, "seconds": time.monotonic() - began})
     found: set[tuple[int, int]] = set()
     for name, spec in greedy_methods(s.draft).items():
         began = time.monotonic()
         diverged = first_divergences(outputs(spec), reference)
         found |= set(diverged)
         seconds = time.monotonic() - began
-        _append(result, {"engine": name, "prompts": len(prompts), "diverged": diverged, "seconds": seconds})
+        append_record(result, {"engine": name, "prompts": len(prompts), "diverged": diverged, "seconds": seconds})
     # the dry run's float32 outputs never diverge: it scores one margin anyway, so this code runs there too
     probe = (0, s.max_tokens // 2) if s.dry_run else None
     began = time.monotonic()
     margins = _margins(s, prompts, reference, found | ({probe} if probe else set()))
     scored = [[p, i, m] for (p, i), m in sorted(margins.items())]
-    _append(result, {"margins": scored, "probe": probe, "seconds": time.monotonic() - began})
+    append_record(result, {"margins": scored, "probe": probe, "seconds": time.monotonic() - began})
 
 
 def first_divergences(ours: list[list[int]], reference: list[list[int]]) -> list[tuple[int, int]]:
@@ -697,11 +685,6 @@ def first_divergences(ours: list[list[int]], reference: list[list[int]]) -> list
         for p, (o, r) in enumerate(zip(ours, reference))
         if o != r
     ]
-
-
-def _append(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as out:
-        out.write(json.dumps(record) + "\n")
 
 
 def _margins(

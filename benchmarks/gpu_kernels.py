@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.process_group import atomic_write, stop_group  # stdlib only, no vLLM
-from benchmarks.report import markdown_table
+from benchmarks.tables import markdown_table
 
 KERNEL_TESTS = ("tests/kernels/test_tree_attention.py", "tests/kernels/test_kv_move.py")
 #: each stage's share of the 270 s default budget (scaled with ``--budget``)
@@ -418,16 +418,15 @@ def stage_benchmark(args: argparse.Namespace, report: Report, budget: float, env
     seen = [0]
 
     def collect() -> None:
-        lines = rows.read_text().split("\n")[:-1]  # whole lines only
-        for line in lines[seen[0] :]:
-            row = json.loads(line)
+        records = read_records(rows)
+        for row in records[seen[0] :]:
             kind = row.pop("kind")
             if kind == "config":
                 bench["config"] = row
             else:
                 bench["errors" if kind == "error" else kind].append(row["message"] if kind == "error" else row)
-        if len(lines) > seen[0]:
-            seen[0] = len(lines)
+        if len(records) > seen[0]:
+            seen[0] = len(records)
             report.save()
 
     command = [sys.executable, str(Path(__file__).resolve()), "--benchmark-child", "--out", str(args.out)]
@@ -453,12 +452,26 @@ def stage_benchmark(args: argparse.Namespace, report: Report, budget: float, env
     return said + "; every shape agrees with SDPA (fp32), every move exact"
 
 
+class StageSkipped(RuntimeError):
+    """A stage that could not run here, said in one line."""
+
+
+# ------------------------------------------------ shared with gpu_check.py
 class StageError(RuntimeError):
     """A stage's failure, said in one line."""
 
 
-class StageSkipped(RuntimeError):
-    """A stage that could not run here, said in one line."""
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line, written whole and closed: a reader (:func:`read_records`) sees every finished record."""
+    with path.open("a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines written so far, whole lines only (a stopped writer may leave its last line cut)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
 
 
 # ----------------------------------- which kernel tests need vLLM (static)
@@ -549,20 +562,11 @@ def benchmark_child(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from vllm_specbeam.kernels import kv_move as km
-    from vllm_specbeam.kernels import tree_attention as ta
-
-    def fallback(*_args, **_kwargs):
-        raise AssertionError("a kernel fell back to its torch reference")
-
-    ta.tree_attention_ref = fallback  # fail instead of timing the reference
-    km.kv_move_ref = fallback
+    forbid_torch_references()
     began = time.monotonic()
-    out = (args.out / "benchmark.jsonl").open("a")
 
     def emit(kind: str, **row: Any) -> None:
-        out.write(json.dumps({"kind": kind, **row}) + "\n")
-        out.flush()
+        append_record(args.out / "benchmark.jsonl", {"kind": kind, **row})
 
     gpu = not args.dry_run
     if gpu:
@@ -605,6 +609,18 @@ def benchmark_child(args: argparse.Namespace) -> int:
         except Exception as error:
             emit("error", message=f"KV move batch {batch}: {type(error).__name__}: {error}"[:500])
     return 0
+
+
+def forbid_torch_references() -> None:
+    """A kernel that falls back to its torch reference fails, instead of timing the reference."""
+    from vllm_specbeam.kernels import kv_move as km
+    from vllm_specbeam.kernels import tree_attention as ta
+
+    def fallback(*_args, **_kwargs):
+        raise AssertionError("a kernel fell back to its torch reference")
+
+    ta.tree_attention_ref = fallback
+    km.kv_move_ref = fallback
 
 
 @dataclass(frozen=True)

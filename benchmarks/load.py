@@ -18,8 +18,8 @@ from typing import Any
 
 import requests
 
-from benchmarks.report import markdown_table
 from benchmarks.serve_client import prometheus, served_model
+from benchmarks.tables import markdown_table
 
 #: A greedy answer's logprobs may differ in the last bits between batch compositions; tokens may not.
 LOGPROB_TOLERANCE = 1e-3
@@ -459,7 +459,7 @@ def speculative_config(name: str, draft: str | None) -> dict[str, Any] | None:
 
 
 # -------------------------------------------------------------------- tables
-#: (title, key, digits) of the load table (:func:`benchmarks.report.markdown_table`).
+#: (title, key, digits) of the load table (:func:`benchmarks.tables.markdown_table`).
 LOAD_COLUMNS = (
     ("method", "method", 0),
     ("requests", "requests", 0),

@@ -19,9 +19,10 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks import report
+from benchmarks.divergence import Reference, complete_margins, margins_of
 from benchmarks.plan import EngineSpec, MethodStatus
 from benchmarks.processes import WorkerExit, atomic_write, engine_schedule, failure_line, run_interleaved, run_worker
-from benchmarks.worker import Job, Scenario
+from benchmarks.records import Job, Scenario
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Comparison:
     logs: Path
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
     raw: dict[str, dict[str, Any]] = field(default_factory=dict)
-    margins: dict[report.Reference, list[float]] = field(default_factory=dict)
+    margins: dict[Reference, list[float]] = field(default_factory=dict)
     #: the float32 engine started for margins, if any
     margin_engine: dict[str, Any] | None = None
 
@@ -170,9 +171,9 @@ class Comparison:
             # keyed by the outputs this round scored (the first round's are the ones compared)
             own = [(i, out) for run in data["runs"] for i, out in enumerate(run["outputs"])]
             along = data["scores"]["margins"]
-            self.margins.update(report.margins_of(own, None if along is None else itertools.chain.from_iterable(along)))
+            self.margins.update(margins_of(own, None if along is None else itertools.chain.from_iterable(along)))
 
-    def float32_margins(self, missing: list[report.Reference]) -> dict[report.Reference, list[float]]:
+    def float32_margins(self, missing: list[Reference]) -> dict[Reference, list[float]]:
         """Margins along the ``missing`` no-speculation outputs from a float32
         no-speculation engine started for them alone (no timed runs): the
         baseline's dtype was not float32, or its scored round's outputs differed."""
@@ -199,7 +200,7 @@ class Comparison:
             return {}
         scored = json.loads(Path(job.result).read_text())
         self.margin_engine["start_s"] = scored["start_s"]
-        return report.margins_of(missing, scored["scores"]["margins"])
+        return margins_of(missing, scored["scores"]["margins"])
 
 
 def compare(
@@ -223,7 +224,7 @@ def compare(
         engines,
         records,
         comparison.raw,
-        lambda needed: report.complete_margins(comparison.margins, needed, comparison.float32_margins),
+        lambda needed: complete_margins(comparison.margins, needed, comparison.float32_margins),
         near_tie,
     )
     return comparison, runs

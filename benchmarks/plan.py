@@ -4,14 +4,22 @@ Every method's sweep is one row of ``SWEEPS`` per level (``--sweep``). Plugin
 methods sweep inside one engine started at the grid's maximum (per-request
 options may only lower it); vLLM's methods get an engine per setting. The
 no-speculation engine is planned last: it also scores every output.
+
+:func:`plan` runs :data:`ROW_BUILDERS`, a function per family of rows, in the order
+their engines run; a plugin method's rows (its own, and those on its engines such as
+``dsbd-chain`` or ``mcsd+stop``) are built in turn from its engine (:data:`FAMILIES`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_specbeam.core.config import Method
 
 #: Rows of their own, on engines of a plugin method:
 #: ``dsbd`` at ``max_width: 1``, a chain from the same draft as vLLM's ``draft_model`` at the same K,
@@ -192,14 +200,14 @@ class MethodStatus:
     engines: list[str] = field(default_factory=list)
 
 
-def plugin_methods() -> dict[str, Any]:
+def plugin_methods() -> dict[str, Method]:
     from vllm_specbeam.core.config import METHODS
 
     return dict(METHODS)
 
 
 def tree_sweep(
-    method: Any, grid: tuple[tuple[int, int], ...], user: dict[str, Any] | None = None
+    method: Method, grid: tuple[tuple[int, int], ...], user: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], list[Setting]]:
     """A tree method's engine sizes and its sweep: the fixed (depth, nodes) points
     of ``grid`` per request, led by the per-step budget at the method's defaults
@@ -227,205 +235,229 @@ def tree_sweep(
     return sizes, [Setting("auto", dict(auto), dict(auto)), *fixed]
 
 
-def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec]]:
-    """Which engines to start, and why each skipped method is skipped."""
-    grid = SWEEPS[options.sweep]
-    wanted = None if list(options.methods) == ["all"] else set(options.methods)
-    # "X+vocab" without "X": X's engines are planned, then only their --draft-vocab twins kept
-    vocab_only = {m.removesuffix(VOCAB_SUFFIX) for m in wanted or () if m.endswith(VOCAB_SUFFIX)} - (wanted or set())
+def known_rows() -> set[str]:
+    """Every row ``--methods`` may name (besides ``X+vocab``)."""
+    extra = (row for family in FAMILIES.values() for row in family.rows)
+    return {"none", "beam_search", *VLLM_METHODS, *plugin_methods(), *extra}
+
+
+def select(options: PlanOptions) -> tuple[frozenset[str] | None, frozenset[str]]:
+    """The rows ``--methods`` names (None: all), ``X+vocab`` read as ``X``, and the methods named only
+    as ``X+vocab``. ValueError names an unknown row, or a ``+vocab`` one without its file."""
+    if list(options.methods) == ["all"]:
+        return None, frozenset()
+    named = set(options.methods)
+    rows = frozenset(m.removesuffix(VOCAB_SUFFIX) for m in named)
+    vocab_only = rows - named
     if vocab_only and not options.draft_vocab:
-        raise SystemExit(f"{sorted(m + VOCAB_SUFFIX for m in vocab_only)} need --draft-vocab")
-    if wanted is not None:
-        wanted = {m.removesuffix(VOCAB_SUFFIX) for m in wanted}
-    rows = {"none", *VLLM_METHODS, "beam_search", SPEC_BEAM, DSBD_CHAIN, MCSD_STOP, LOOKUP_GLOBAL, *plugin_methods()}
-    rows |= {MCSD_LOOKUP, DSBD_CHAIN_LOOKUP}
-    unknown = (wanted or set()) - rows
+        raise ValueError(
+            f"{sorted(m + VOCAB_SUFFIX for m in vocab_only)} need --draft-vocab: give the draft vocabulary "
+            f"(vllm-specbeam draft-vocab build), or name the method without {VOCAB_SUFFIX}"
+        )
+    unknown = rows - known_rows()
     if unknown:
-        raise SystemExit(f"unknown method(s) {sorted(unknown)}")
-    status: dict[str, MethodStatus] = {}
-    engines: list[EngineSpec] = []
+        raise ValueError(f"unknown method(s) {sorted(unknown)}: --methods takes all, or some of {sorted(known_rows())}")
+    return rows, vocab_only
 
-    def wants(row: str) -> bool:
-        return wanted is None or row in wanted
 
-    def lookup_twin(row: str, engine_id: str, config: dict[str, Any], settings: list[Setting]) -> None:
-        """``row`` + :data:`LOOKUP_SUFFIX` when wanted: ``row``'s engine with :data:`LOOKUP_TWIN`, at
-        its settings with a stopping rule (without one, the draft runs every step: no lookup's gain)."""
-        if wants(row + LOOKUP_SUFFIX):
-            status[row + LOOKUP_SUFFIX] = MethodStatus("plugin")
-            stopping = [s for s in settings if s.values.get("stop_threshold") != 0.0]
-            engines.extend(row_engines(engine_id + "-lookup", row + LOOKUP_SUFFIX, {**config, **LOOKUP_TWIN}, stopping))
+@dataclass
+class Planned:
+    """The plan as the row builders grow it: each row's status, the engines in the order they run."""
 
-    def chain(method: str, ks: tuple[int, ...], base: dict[str, Any]) -> None:
-        status[method] = MethodStatus("vllm")
-        for k in ks:
-            config = {"method": method, "num_speculative_tokens": k, **base}
-            engines.append(
-                EngineSpec(f"{method}-k{k}", method, "vllm", config, [Setting(f"k{k}", {"num_speculative_tokens": k})])
-            )
+    options: PlanOptions
+    grid: Grid
+    #: the rows ``--methods`` names (None: all)
+    rows: frozenset[str] | None
+    #: the methods named only as ``X+vocab``: their engines are planned, then only their twins kept
+    vocab_only: frozenset[str]
+    status: dict[str, MethodStatus] = field(default_factory=dict)
+    engines: list[EngineSpec] = field(default_factory=list)
 
-    if wanted is None or "ngram" in wanted:
-        chain("ngram", grid.chain, {"prompt_lookup_min": 2, "prompt_lookup_max": 5})
-    if wanted is None or "draft_model" in wanted:
-        if options.draft:
-            chain("draft_model", options.draft_ks or grid.draft, {"model": options.draft})
-        else:
-            status["draft_model"] = MethodStatus("vllm", "skipped", "needs --draft")
-    if wanted is None or "suffix" in wanted:
-        if importlib.util.find_spec("arctic_inference") is not None:
-            chain("suffix", grid.suffix, {})
-        else:
-            status["suffix"] = MethodStatus("vllm", "skipped", SUFFIX_UNAVAILABLE)
+    def wants(self, row: str) -> bool:
+        return self.rows is None or row in self.rows
 
-    available_beam = []
+    def add(self, row: str, kind: str, engines: list[EngineSpec]) -> None:
+        self.status[row] = MethodStatus(kind)
+        self.engines.extend(engines)
+
+    def add_plugin(self, row: str, engine_id: str, config: dict[str, Any], settings: list[Setting]) -> None:
+        """A plugin row on one engine, or an engine per setting where it learns across requests."""
+        self.add(row, "plugin", row_engines(engine_id, row, config, settings))
+
+    def skip(self, row: str, kind: str, reason: str) -> None:
+        self.status[row] = MethodStatus(kind, "skipped", reason)
+
+
+def plan(options: PlanOptions) -> tuple[dict[str, MethodStatus], list[EngineSpec]]:
+    """Which engines to start, and why each skipped method is skipped: every family's rows in
+    turn (vLLM's, the plugin methods', the draft vocabulary's, the beam search's), the baseline
+    last. ValueError names what in ``options.methods`` cannot be planned, and the fix."""
+    planned = Planned(options, SWEEPS[options.sweep], *select(options))
+    for build in ROW_BUILDERS:
+        build(planned)
+    for engine in planned.engines:
+        planned.status[engine.method].engines.append(engine.id)
+    return planned.status, planned.engines
+
+
+def vllm_rows(planned: Planned) -> None:
+    """vLLM's methods, an engine per K: ``draft_model`` with ``--draft``, ``suffix`` with arctic-inference."""
+    grid, draft = planned.grid, planned.options.draft
+    suffix_missing = importlib.util.find_spec("arctic_inference") is None
+    chains = {  # method: (its Ks, its config, why it cannot run)
+        "ngram": (grid.chain, {"prompt_lookup_min": 2, "prompt_lookup_max": 5}, None),
+        "draft_model": (planned.options.draft_ks or grid.draft, {"model": draft}, None if draft else "needs --draft"),
+        "suffix": (grid.suffix, {}, SUFFIX_UNAVAILABLE if suffix_missing else None),
+    }
+    for method, (ks, config, missing) in chains.items():
+        if not planned.wants(method):
+            continue
+        if missing:
+            planned.skip(method, "vllm", missing)
+            continue
+        settings = [Setting(f"k{k}", {"num_speculative_tokens": k}) for k in ks]
+        configs = [{"method": method, "num_speculative_tokens": k, **config} for k in ks]
+        engines = [EngineSpec(f"{method}-k{k}", method, "vllm", c, [s]) for k, c, s in zip(ks, configs, settings)]
+        planned.add(method, "vllm", engines)
+
+
+# ---------------------------------------------------------------- plugin methods and rows on their engines
+@dataclass(frozen=True)
+class MethodEngine:
+    """A plugin method's engine as its rows start from: its config and its sweep."""
+
+    name: str
+    method: Method
+    config: dict[str, Any]
+    settings: list[Setting]
+
+
+#: builds one row (or none, when it is not wanted) from its method's engine
+RowBuilder = Callable[[Planned, MethodEngine], None]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A plugin method's rows, built in order: its own and those on its engines that
+    ``--methods`` names apart (``rows``); ``sized`` replaces the tree sweep's engine and settings."""
+
+    rows: tuple[str, ...]
+    builders: tuple[RowBuilder, ...]
+    sized: Callable[[dict[str, Any], Planned], tuple[dict[str, Any], list[Setting]]] | None = None
+
+
+def plugin_rows(planned: Planned) -> None:
     for name, method in plugin_methods().items():
-        # rows of their own on a method's engines (the speculative beam search and the chain on
-        # dsbd's, the global scope on lookup_tree's), with or without the method's own rows
-        extra_rows = {
-            "dsbd": {SPEC_BEAM, DSBD_CHAIN, DSBD_CHAIN_LOOKUP},
-            "lookup_tree": {LOOKUP_GLOBAL},
-            "mcsd": {MCSD_STOP, MCSD_LOOKUP},
-        }.get(name, set())
-        extra_rows_only = wanted is not None and name not in wanted and not wanted.isdisjoint(extra_rows)
-        if wanted is not None and name not in wanted and not extra_rows_only:
-            continue
-        if method.needs_draft_model and not options.draft:
-            status[name] = MethodStatus("plugin", "skipped", "needs --draft")
-            continue
-        sizes, settings = tree_sweep(method, grid.tree)
-        config = {"method": name, **sizes}
-        if method.needs_draft_model:
-            config.update(model=options.draft, draft_dtype=options.draft_dtype)
-        if name == "mcsd":
-            config, settings = mcsd_plan(config, grid, options.mcsd_depths)
-        if name == "mjsd":
-            config, settings = mjsd_plan(config, grid)
-        if not extra_rows_only:
-            status[name] = MethodStatus("plugin")
-            own = dsbd_plan(config, settings, grid) if name == "dsbd" else (config, settings)
-            engines.append(EngineSpec(name, name, "plugin", *own))
-        if name == "mcsd" and options.stop_model:
-            status[MCSD_STOP] = MethodStatus("plugin")
-            # Its no-stop settings are the stop model's ablation on the same engine.
-            stop_config = {**config, "stop_model": options.stop_model}
-            engines.append(EngineSpec("mcsd-stop", MCSD_STOP, "plugin", stop_config, settings))
-        if name == "mcsd":
-            # at least the node budget mcsd takes with the lookup on, as users get it
-            nodes = max(config["max_nodes"], method.drafter_class().defaults_for(LOOKUP_TWIN)["max_nodes"])
-            lookup_twin(name, name, {**config, "max_nodes": nodes}, settings)
-        if name in BEAM_METHODS:
-            available_beam.append(name)
-        if name == "dsbd" and (wanted is None or SPEC_BEAM in wanted):
-            status[SPEC_BEAM] = MethodStatus("plugin")
-            beam_settings = [
-                Setting(
-                    f"w{w}" if d is None else f"w{w}-d{d}",
-                    {"beam_width": w} if d is None else {"beam_width": w, "depth": d},
-                    beam_width=w,
-                    speculative=True,
-                    beam_depth=d,
-                )
-                for w in options.beam_widths or grid.beam
-                for d in options.beam_depths or (None,)
-            ]
-            engines.append(
-                EngineSpec(
-                    SPEC_BEAM,
-                    SPEC_BEAM,
-                    "plugin",
-                    config,
-                    beam_settings,
-                    greedy_only=True,
-                    engine_kwargs={**BEAM_ENGINE, "enable_chunked_prefill": False},
-                )
-            )
-        if name == "dsbd" and (wants(DSBD_CHAIN) or wants(DSBD_CHAIN_LOOKUP)):
-            ks = options.draft_ks or grid.draft
-            chain_config = {**config, "num_speculative_tokens": max(ks), "max_nodes": max(ks), "max_width": 1}
-            chain_settings = [
-                Setting(f"k{k}", {"num_speculative_tokens": k}, {"num_speculative_tokens": k, "max_nodes": k})
-                for k in ks
-            ]
-            if wants(DSBD_CHAIN):
-                status[DSBD_CHAIN] = MethodStatus("plugin")
-                engines.append(EngineSpec(DSBD_CHAIN, DSBD_CHAIN, "plugin", chain_config, chain_settings))
-            lookup_twin(DSBD_CHAIN, DSBD_CHAIN, chain_config, chain_settings)
-        if name == "lookup_tree" and wants(LOOKUP_GLOBAL):
-            status[LOOKUP_GLOBAL] = MethodStatus("plugin")
-            global_sizes, global_settings = tree_sweep(method, grid.lookup_global, {"scope": "global"})
-            global_config = {**config, **global_sizes, "scope": "global"}
-            engines.extend(row_engines("lookup_tree-global", LOOKUP_GLOBAL, global_config, global_settings))
-        if name == "aded" and options.trigram:
-            # The same method started from a corpus matrix, as its own row.
-            status[ADED_CORPUS] = MethodStatus("plugin")
-            engines.append(
-                EngineSpec("aded-corpus", ADED_CORPUS, "plugin", {**config, "trigram": options.trigram}, settings)
-            )
-
-    if options.draft_vocab:
-        drafting = [e for e in engines if e.kind == "plugin" and e.method != SPEC_BEAM and e.speculative_config]
-        for engine in [e for e in drafting if "model" in (e.speculative_config or {})]:
-            row = engine.method + VOCAB_SUFFIX
-            status[row] = MethodStatus("plugin")
-            config = {**(engine.speculative_config or {}), "draft_vocab": options.draft_vocab}
-            engines.append(replace(engine, id=engine.id + "-vocab", method=row, speculative_config=config))
-            if engine.method in vocab_only:
-                engines.remove(engine)
-                status.pop(engine.method, None)
-    untwinned = vocab_only - {e.method.removesuffix(VOCAB_SUFFIX) for e in engines if e.method.endswith(VOCAB_SUFFIX)}
-    if untwinned:
-        raise SystemExit(
-            f"{sorted(m + VOCAB_SUFFIX for m in untwinned)}: only plugin methods that draft with a model "
-            "(and ran with --draft) have a draft-vocabulary row; name the method without +vocab"
-        )
-
-    if (wanted is None and available_beam) or (wanted is not None and "beam_search" in wanted):
-        status["beam_search"] = MethodStatus("beam")
-        settings = [Setting(f"w{w}", {"beam_width": w}, beam_width=w) for w in options.beam_widths or grid.beam]
-        engines.append(
-            EngineSpec(
-                "beam_search", "beam_search", "beam", None, settings, greedy_only=True, engine_kwargs=BEAM_ENGINE
-            )
-        )
-    elif wanted is None:
-        status["beam_search"] = MethodStatus("beam", "skipped", "no plugin beam method available to compare with")
-
-    # The baseline runs last: it also scores every output under the target.
-    status["none"] = MethodStatus("baseline")
-    engines.append(EngineSpec("none", "none", "baseline", None, [Setting("-", {})]))
-    for engine in engines:
-        status[engine.method].engines.append(engine.id)
-    return status, engines
+        method_rows(planned, name, method)
 
 
-def learns_across_requests(config: dict[str, Any]) -> bool:
-    """Whether an engine of ``config`` drafts from the requests it finished (``lookup_tree``'s
-    global scope, a draft-model method's global lookup branches)."""
-    return config.get("scope") == "global" or config.get("lookup") == "global"
+def method_rows(planned: Planned, name: str, method: Method) -> None:
+    """``name``'s rows that are wanted: with or without the method's own, skipped without a needed draft."""
+    family = FAMILIES.get(name, PLAIN)
+    if not any(planned.wants(row) for row in (name, *family.rows)):
+        return
+    if method.needs_draft_model and not planned.options.draft:
+        planned.skip(name, "plugin", "needs --draft")
+        return
+    sizes, settings = tree_sweep(method, planned.grid.tree)
+    config = {"method": name, **sizes}
+    if method.needs_draft_model:
+        config.update(model=planned.options.draft, draft_dtype=planned.options.draft_dtype)
+    if family.sized:
+        config, settings = family.sized(config, planned)
+    engine = MethodEngine(name, method, config, settings)
+    for build in family.builders:
+        build(planned, engine)
 
 
-def row_engines(engine_id: str, row: str, config: dict[str, Any], settings: list[Setting]) -> list[EngineSpec]:
-    """A plugin row's engines: one for all its settings, or one per setting (``<engine_id>-<label>``)
-    when the engine learns across requests: a setting run after another would draft from the text
-    the earlier one indexed, so a workload without repetition would have some."""
-    if not learns_across_requests(config):
-        return [EngineSpec(engine_id, row, "plugin", config, settings)]
-    return [
-        EngineSpec(f"{engine_id}-{s.label.replace('/', '-').replace(',', '-')}", row, "plugin", config, [s])
-        for s in settings
+def own_row(planned: Planned, engine: MethodEngine) -> None:
+    if planned.wants(engine.name):
+        planned.add_plugin(engine.name, engine.name, engine.config, engine.settings)
+
+
+def dsbd_row(planned: Planned, engine: MethodEngine) -> None:
+    """``dsbd`` with its pruned settings (the rows on its engine start from its tree sweep's)."""
+    if planned.wants("dsbd"):
+        planned.add_plugin("dsbd", "dsbd", *dsbd_plan(engine.config, engine.settings, planned.grid))
+
+
+def spec_beam_row(planned: Planned, engine: MethodEngine) -> None:
+    if not planned.wants(SPEC_BEAM):
+        return
+    widths, depths = planned.options.beam_widths or planned.grid.beam, planned.options.beam_depths or (None,)
+    settings = []
+    for w, d in itertools.product(widths, depths):
+        label, values = (f"w{w}", {"beam_width": w}) if d is None else (f"w{w}-d{d}", {"beam_width": w, "depth": d})
+        settings.append(Setting(label, values, beam_width=w, speculative=True, beam_depth=d))
+    kwargs = {**BEAM_ENGINE, "enable_chunked_prefill": False}
+    spec = EngineSpec(SPEC_BEAM, SPEC_BEAM, "plugin", engine.config, settings, kwargs, greedy_only=True)
+    planned.add(SPEC_BEAM, "plugin", [spec])
+
+
+def dsbd_chain(planned: Planned, engine: MethodEngine) -> tuple[dict[str, Any], list[Setting]]:
+    """``dsbd`` at ``max_width: 1``, a setting per K of ``draft_model``, on an engine at the largest."""
+    ks = planned.options.draft_ks or planned.grid.draft
+    config = {**engine.config, "num_speculative_tokens": max(ks), "max_nodes": max(ks), "max_width": 1}
+    settings = [
+        Setting(f"k{k}", {"num_speculative_tokens": k}, {"num_speculative_tokens": k, "max_nodes": k}) for k in ks
     ]
+    return config, settings
 
 
-def mcsd_plan(
-    config: dict[str, Any], grid: Grid, depths: tuple[int, ...] | None = None
-) -> tuple[dict[str, Any], list[Setting]]:
-    """The ``mcsd`` engine (sized for the grid's largest tree at the deepest of ``depths``,
+def dsbd_chain_row(planned: Planned, engine: MethodEngine) -> None:
+    if planned.wants(DSBD_CHAIN):
+        planned.add_plugin(DSBD_CHAIN, DSBD_CHAIN, *dsbd_chain(planned, engine))
+
+
+def dsbd_chain_lookup_row(planned: Planned, engine: MethodEngine) -> None:
+    if planned.wants(DSBD_CHAIN_LOOKUP):
+        lookup_twin(planned, DSBD_CHAIN, *dsbd_chain(planned, engine))
+
+
+def mcsd_stop_row(planned: Planned, engine: MethodEngine) -> None:
+    """``mcsd`` with the ``--stop-model``, whenever one is given; its no-stop settings are the
+    stop model's ablation on the same engine."""
+    if planned.options.stop_model:
+        config = {**engine.config, "stop_model": planned.options.stop_model}
+        planned.add_plugin(MCSD_STOP, "mcsd-stop", config, engine.settings)
+
+
+def mcsd_lookup_row(planned: Planned, engine: MethodEngine) -> None:
+    """At least the node budget mcsd takes with the lookup on, as users get it."""
+    if planned.wants(MCSD_LOOKUP):
+        nodes = max(engine.config["max_nodes"], engine.method.drafter_class().defaults_for(LOOKUP_TWIN)["max_nodes"])
+        lookup_twin(planned, "mcsd", {**engine.config, "max_nodes": nodes}, engine.settings)
+
+
+def lookup_twin(planned: Planned, row: str, config: dict[str, Any], settings: list[Setting]) -> None:
+    """``row`` + :data:`LOOKUP_SUFFIX`: ``row``'s engine with :data:`LOOKUP_TWIN`, at its settings
+    with a stopping rule (without one, the draft runs every step: no lookup's gain)."""
+    stopping = [s for s in settings if s.values.get("stop_threshold") != 0.0]
+    planned.add_plugin(row + LOOKUP_SUFFIX, row + "-lookup", {**config, **LOOKUP_TWIN}, stopping)
+
+
+def lookup_global_row(planned: Planned, engine: MethodEngine) -> None:
+    if planned.wants(LOOKUP_GLOBAL):
+        sizes, settings = tree_sweep(engine.method, planned.grid.lookup_global, {"scope": "global"})
+        config = {**engine.config, **sizes, "scope": "global"}
+        planned.add_plugin(LOOKUP_GLOBAL, "lookup_tree-global", config, settings)
+
+
+def aded_corpus_row(planned: Planned, engine: MethodEngine) -> None:
+    """The same method started from the ``--trigram`` matrix, as its own row."""
+    if planned.options.trigram:
+        config = {**engine.config, "trigram": planned.options.trigram}
+        planned.add_plugin(ADED_CORPUS, "aded-corpus", config, engine.settings)
+
+
+def mcsd_plan(config: dict[str, Any], planned: Planned) -> tuple[dict[str, Any], list[Setting]]:
+    """The ``mcsd`` engine (sized for the grid's largest tree at the deepest of ``--mcsd-depths``,
     default ``(MCSD_DEPTH,)``) and its settings, each at every depth (labelled ``d8/k1``
     when more than one depth runs; requests lower the engine's depth)."""
     from vllm_specbeam.methods.mcsd.maths import level_sizes
 
-    depths = depths or (MCSD_DEPTH,)
-    k_configs = [list(k) for k in grid.mcsd]
+    depths = planned.options.mcsd_depths or (MCSD_DEPTH,)
+    k_configs = [list(k) for k in planned.grid.mcsd]
     nodes = max(sum(level_sizes(k, max(depths))) for k in k_configs)
     settings = []
     for depth, k_config in itertools.product(depths, k_configs):
@@ -451,8 +483,9 @@ def dsbd_plan(config: dict[str, Any], settings: list[Setting], grid: Grid) -> tu
     return {**config, "num_speculative_tokens": depth, "max_nodes": nodes}, [*settings, *pruned]
 
 
-def mjsd_plan(config: dict[str, Any], grid: Grid) -> tuple[dict[str, Any], list[Setting]]:
+def mjsd_plan(config: dict[str, Any], planned: Planned) -> tuple[dict[str, Any], list[Setting]]:
     """The ``mjsd`` engine (sized for the grid's widest search and largest tree) and its settings."""
+    grid = planned.grid
     settings = []
     for values in grid.mjsd:
         label = f"b{values['beam_width']}" + "".join(
@@ -462,3 +495,82 @@ def mjsd_plan(config: dict[str, Any], grid: Grid) -> tuple[dict[str, Any], list[
     widest = max(v["beam_width"] for v in grid.mjsd)
     nodes = MJSD_DEPTH * max(v.get("num_beams_verified", 1) for v in grid.mjsd)
     return {**config, "num_speculative_tokens": MJSD_DEPTH, "max_nodes": nodes, "beam_width": widest}, settings
+
+
+#: a plugin method with its own row only
+PLAIN = Family((), (own_row,))
+#: the rows of plugin methods with more than their own
+FAMILIES = {
+    "lookup_tree": Family((LOOKUP_GLOBAL,), (own_row, lookup_global_row)),
+    "dsbd": Family(
+        (SPEC_BEAM, DSBD_CHAIN, DSBD_CHAIN_LOOKUP), (dsbd_row, spec_beam_row, dsbd_chain_row, dsbd_chain_lookup_row)
+    ),
+    "mcsd": Family((MCSD_STOP, MCSD_LOOKUP), (own_row, mcsd_stop_row, mcsd_lookup_row), mcsd_plan),
+    "mjsd": Family((), (own_row,), mjsd_plan),
+    "aded": Family((), (own_row, aded_corpus_row)),
+}
+
+
+# ---------------------------------------------------------------- rows across families
+def vocab_twins(planned: Planned) -> None:
+    """With ``--draft-vocab``: every plugin engine with a draft model (the speculative beam search's
+    aside) again with that ``draft_vocab``, as ``<row>+vocab``; of a method named only as
+    ``X+vocab``, only the twins stay. ValueError when such a method has none."""
+    vocab, vocab_only = planned.options.draft_vocab, planned.vocab_only
+    if not vocab:
+        return
+    drafting = [e for e in planned.engines if e.kind == "plugin" and e.method != SPEC_BEAM]
+    for engine in [e for e in drafting if "model" in (e.speculative_config or {})]:
+        config = {**(engine.speculative_config or {}), "draft_vocab": vocab}
+        twin = replace(engine, id=engine.id + "-vocab", method=engine.method + VOCAB_SUFFIX, speculative_config=config)
+        planned.add(twin.method, "plugin", [twin])
+        if engine.method in vocab_only:
+            planned.engines.remove(engine)
+            planned.status.pop(engine.method, None)
+    untwinned = vocab_only - {
+        e.method.removesuffix(VOCAB_SUFFIX) for e in planned.engines if e.method.endswith(VOCAB_SUFFIX)
+    }
+    if untwinned:
+        raise ValueError(
+            f"{sorted(m + VOCAB_SUFFIX for m in untwinned)}: only plugin methods that draft with a model "
+            "(and ran with --draft) have a draft-vocabulary row; name the method without +vocab"
+        )
+
+
+def beam_search_row(planned: Planned) -> None:
+    """vLLM's ``LLM.beam_search``: under ``all`` beside a plugin beam method that runs, else when named."""
+    options = planned.options
+    runnable = [name for name, m in plugin_methods().items() if options.draft or not m.needs_draft_model]
+    if planned.rows is None and BEAM_METHODS.isdisjoint(runnable):
+        planned.skip("beam_search", "beam", "no plugin beam method available to compare with")
+    elif planned.wants("beam_search"):
+        settings = [Setting(f"w{w}", {"beam_width": w}, beam_width=w) for w in options.beam_widths or planned.grid.beam]
+        engine = EngineSpec("beam_search", "beam_search", "beam", None, settings, BEAM_ENGINE, greedy_only=True)
+        planned.add("beam_search", "beam", [engine])
+
+
+def baseline_row(planned: Planned) -> None:
+    """No speculation, last: it also scores every output under the target."""
+    planned.add("none", "baseline", [EngineSpec("none", "none", "baseline", None, [Setting("-", {})])])
+
+
+#: the families of rows, in the order their engines run
+ROW_BUILDERS = (vllm_rows, plugin_rows, vocab_twins, beam_search_row, baseline_row)
+
+
+def learns_across_requests(config: dict[str, Any]) -> bool:
+    """Whether an engine of ``config`` drafts from the requests it finished (``lookup_tree``'s
+    global scope, a draft-model method's global lookup branches)."""
+    return config.get("scope") == "global" or config.get("lookup") == "global"
+
+
+def row_engines(engine_id: str, row: str, config: dict[str, Any], settings: list[Setting]) -> list[EngineSpec]:
+    """A plugin row's engines: one for all its settings, or one per setting (``<engine_id>-<label>``)
+    when the engine learns across requests: a setting run after another would draft from the text
+    the earlier one indexed, so a workload without repetition would have some."""
+    if not learns_across_requests(config):
+        return [EngineSpec(engine_id, row, "plugin", config, settings)]
+    return [
+        EngineSpec(f"{engine_id}-{s.label.replace('/', '-').replace(',', '-')}", row, "plugin", config, [s])
+        for s in settings
+    ]

@@ -118,7 +118,7 @@ def reused_uniform_bug() -> Iterator[None]:
 def no_top_p_bug() -> Iterator[None]:
     import torch
 
-    from vllm_specbeam.adapter import runner
+    from vllm_specbeam.adapter import verification
 
     def temperature_only(logits, batch_indices, rows_per_request, sampling_metadata):
         index = torch.as_tensor(batch_indices, device=logits.device)
@@ -127,7 +127,7 @@ def no_top_p_bug() -> Iterator[None]:
         )
         return (logits.to(torch.float32) / temperature[:, None]).softmax(-1)
 
-    with patched(runner, "target_probabilities", temperature_only):
+    with patched(verification, "target_probabilities", temperature_only):
         yield
 
 
@@ -140,7 +140,7 @@ BUGS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 
 
 # ---------------------------------------------------------------- the runs
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=2000, help="seeded requests per run")
     parser.add_argument("--cases", nargs="+", default=None, help="temperature,top_p pairs (default: the test's CASES)")
@@ -148,60 +148,58 @@ def main() -> None:
     parser.add_argument("--bugs", nargs="+", default=list(BUGS))
     parser.add_argument("--out", type=Path, default=Path("results/planted_bugs.json"))
     parser.add_argument("--reuse", action="store_true", help="recompute p-values from --out's samples")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    sys.path.insert(0, str(TESTS))
+
+def collect(args: argparse.Namespace, cases: list[tuple[float, float]]) -> dict[str, dict[str, list[list[int]]]]:
+    """Each case's sampled token ids: vLLM without speculation (``reference``), then every method
+    under every bug (``method/bug``)."""
     from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, make_prompts
-    from test_sampling_engine import ADED, CASES, LOOKUP, MAX_TOKENS, chi_square_homogeneity, prefix_homogeneity
+    from test_sampling_engine import ADED, LOOKUP, MAX_TOKENS
+    from tiny_model import build_tiny_model
+    from vllm import LLM, SamplingParams
 
-    cases = CASES if args.cases is None else [tuple(float(v) for v in c.split(",")) for c in args.cases]
-    if args.reuse:
-        samples = json.loads(args.out.read_text())
-    else:
-        from tiny_model import build_tiny_model
-        from vllm import LLM, SamplingParams
+    model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-llama"))
+    prompt = make_prompts(10)[6]
+    specs = {"lookup_tree": LOOKUP, "aded": ADED}
 
-        model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-llama"))
-        prompt = make_prompts(10)[6]
-        specs = {"lookup_tree": LOOKUP, "aded": ADED}
+    def sample(llm, temperature: float, top_p: float) -> list[list[int]]:
+        params = [
+            SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True)
+            for s in range(args.samples)
+        ]
+        outputs = llm.generate([prompt] * args.samples, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
-        def sample(llm, temperature: float, top_p: float) -> list[list[int]]:
-            params = [
-                SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True)
-                for s in range(args.samples)
-            ]
-            outputs = llm.generate([prompt] * args.samples, params, use_tqdm=False)
-            return [list(o.outputs[0].token_ids) for o in outputs]
+    samples: dict[str, dict[str, list[list[int]]]] = {}
+    for name in [None, *args.methods]:
+        llm = LLM(
+            model=model,
+            speculative_config=None if name is None else specs[name],
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            seed=0,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            distributed_executor_backend="uni",
+        )
+        for temperature, top_p in cases:
+            case = samples.setdefault(f"T={temperature} top_p={top_p}", {})
+            for bug in ["reference"] if name is None else args.bugs:
+                if bug == "no-top-p" and top_p == 1.0:
+                    continue
+                start = time.perf_counter()
+                with BUGS.get(bug, contextlib.nullcontext)():
+                    case[bug if name is None else f"{name}/{bug}"] = sample(llm, temperature, top_p)
+                print(f"{name or 'none'} {temperature} {top_p} {bug}: {time.perf_counter() - start:.1f}s", flush=True)
+        llm.llm_engine.engine_core.shutdown()
+    return samples
 
-        def engine(spec: dict | None):
-            return LLM(
-                model=model,
-                speculative_config=spec,
-                dtype="float32",
-                max_model_len=MAX_MODEL_LEN,
-                seed=0,
-                kv_cache_memory_bytes=KV_CACHE_BYTES,
-                distributed_executor_backend="uni",
-            )
 
-        samples: dict[str, dict[str, list[list[int]]]] = {}
-        for name in [None, *args.methods]:
-            llm = engine(None if name is None else specs[name])
-            for temperature, top_p in cases:
-                case = samples.setdefault(f"T={temperature} top_p={top_p}", {})
-                for bug in ["reference"] if name is None else args.bugs:
-                    if bug == "no-top-p" and top_p == 1.0:
-                        continue
-                    start = time.perf_counter()
-                    with BUGS.get(bug, contextlib.nullcontext)():
-                        case[bug if name is None else f"{name}/{bug}"] = sample(llm, temperature, top_p)
-                    seconds = time.perf_counter() - start
-                    print(f"{name or 'none'} {temperature} {top_p} {bug}: {seconds:.1f}s", flush=True)
-            llm.llm_engine.engine_core.shutdown()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(samples))
+def print_table(samples: dict[str, dict[str, list[list[int]]]], num_samples: int) -> None:
+    """Each run's p-value under the new test and the old one, against its case's reference."""
+    from test_sampling_engine import MAX_TOKENS, chi_square_homogeneity, prefix_homogeneity
 
-    new_title = f"new test p ({args.samples} requests, tokens 2-{MAX_TOKENS})"
+    new_title = f"new test p ({num_samples} requests, tokens 2-{MAX_TOKENS})"
     print(f"| case | run | {new_title} | old test p (600 requests, tokens 2-3) |")
     print("|---|---|---|---|")
     for case, runs in samples.items():
@@ -209,10 +207,25 @@ def main() -> None:
         for run, seqs in runs.items():
             if run == "reference":
                 continue
-            seqs = [tuple(s) for s in seqs][: args.samples]
-            new = prefix_homogeneity(seqs, reference[: args.samples])
+            seqs = [tuple(s) for s in seqs][:num_samples]
+            new = prefix_homogeneity(seqs, reference[:num_samples])
             old = chi_square_homogeneity(Counter(s[1:3] for s in seqs[:600]), Counter(s[1:3] for s in reference[:600]))
             print(f"| {case} | {run} | {new:.2g} | {old:.2g} |")
+
+
+def main() -> None:
+    args = parse_args()
+    sys.path.insert(0, str(TESTS))
+    from test_sampling_engine import CASES
+
+    cases = CASES if args.cases is None else [tuple(float(v) for v in c.split(",")) for c in args.cases]
+    if args.reuse:
+        samples = json.loads(args.out.read_text())
+    else:
+        samples = collect(args, cases)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(samples))
+    print_table(samples, args.samples)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from benchmarks.process_group import atomic_write
 
 if TYPE_CHECKING:
     from benchmarks.plan import EngineSpec
-    from benchmarks.worker import Job
+    from benchmarks.records import Job
 
 #: Set before vLLM is imported (worker mode) and inherited by the workers: an
 #: explicit KV cache size, both cores for the model, and collective_rpc with

@@ -52,7 +52,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from benchmarks import models, report
+from benchmarks import models, plots, report, tables
+from benchmarks.figures import ratio
 from benchmarks.host import add_dtype_option, choose_dtype, environment
 from benchmarks.plan import PlanOptions, plan
 from benchmarks.processes import add_intel_openmp_option, set_engine_environment
@@ -173,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
 def serving_engines(methods: Sequence[str], draft: str | None) -> tuple[dict[str, MethodStatus], list[EngineSpec]]:
     """The offline comparison's engines at their defaults, without beam search (the server's
     beam search is not a speculative method), the baseline first: a late failure keeps it."""
-    status, engines = plan(PlanOptions(methods=tuple(methods), sweep="none", draft=draft))
+    try:
+        status, engines = plan(PlanOptions(methods=tuple(methods), sweep="none", draft=draft))
+    except ValueError as error:  # bad --methods: the CLI's message, not a traceback
+        raise SystemExit(str(error)) from None
     engines = [e for e in engines if e.kind != "beam"]
     status.pop("beam_search", None)
     engines.sort(key=lambda e: e.kind != "baseline")
@@ -202,7 +206,7 @@ def speedup(runs: Mapping[str, ServerRun], name: str, index: int) -> float | Non
     the same position (never at the same concurrency: a ramp may repeat one); None where
     either did not run it."""
     baseline = runs.get(BASELINE)
-    return report.ratio(runs[name].throughput(index), baseline.throughput(index) if baseline else None)
+    return ratio(runs[name].throughput(index), baseline.throughput(index) if baseline else None)
 
 
 def relative_throughput(runs: Mapping[str, ServerRun], levels: Sequence[Level]) -> dict[str, list[float | None]]:
@@ -235,7 +239,7 @@ def ratio_table(relative: Mapping[str, list[float | None]], levels: Sequence[Lev
         for name, ratios in relative.items()
     ]
     columns = [("method", "method", 0), *((level.key, level.key, 2) for level in levels)]
-    return report.markdown_table(rows, columns)
+    return tables.markdown_table(rows, columns)
 
 
 def memory_footnote(runs: Mapping[str, ServerRun]) -> str:
@@ -261,7 +265,7 @@ def stats_table(runs: Mapping[str, ServerRun]) -> str:
         values = {c.title: stats[c.key] * c.scale if stats.get(c.key) is not None else None for c in STAT_COLUMNS}
         rows.append({"method": name, **values})
     columns = [("method", "method", 0), *((c.title, c.title, c.digits) for c in STAT_COLUMNS)]
-    return report.markdown_table(rows, columns) if rows else ""
+    return tables.markdown_table(rows, columns) if rows else ""
 
 
 def ramp_markdown(
@@ -274,7 +278,7 @@ def ramp_markdown(
     parts = [
         "Each level (`level`: its position in the ramp; a concurrency may come back), each after a fresh "
         "start (prefix cache emptied; a plugin drafter's cross-request memory too):\n\n"
-        + report.markdown_table(rows, SERVE_COLUMNS),
+        + tables.markdown_table(rows, SERVE_COLUMNS),
         f"Output tokens/s over `{BASELINE}`'s at the same level (`L<position> c=<concurrency>`):\n\n"
         + ratio_table(relative, levels)
         + memory_footnote(runs),
@@ -289,7 +293,7 @@ def ramp_markdown(
 def plot_ramp(runs: Mapping[str, ServerRun], levels: Sequence[Level], path: Path, title: str) -> None:
     """Output tokens/s per level, one line per server. The x axis is the level's position,
     labelled by its concurrency, so a concurrency that comes back is a point of its own."""
-    plt = report._pyplot()
+    plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 1.5 + 0.8 * len(levels)), 4.5))
     positions = [level.index for level in levels]
     for name, run in runs.items():

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
-from benchmarks import report
+from benchmarks.figures import counter_delta, percentile, spec_figures
 from benchmarks.host import vllm_distribution
 from benchmarks.processes import ENV_DEFAULTS, TreeMonitor, running_server
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from benchmarks.host import DtypeChoice
     from benchmarks.plan import EngineSpec
 
-#: (title, key, digits) of the serving table (:func:`benchmarks.report.markdown_table`), one row per
+#: (title, key, digits) of the serving table (:func:`benchmarks.tables.markdown_table`), one row per
 #: server and level (``level``: the position in the ramp; a concurrency may repeat).
 SERVE_COLUMNS = (
     ("level", "level", 0),
@@ -145,12 +145,12 @@ async def load_level(
     start = time.perf_counter()
     results = [r for r in await asyncio.gather(*(gated(i) for i in range(count))) if r is not None]
     duration = time.perf_counter() - start
-    counters = report.counter_delta(before, await prom_counters(client))
+    counters = counter_delta(before, await prom_counters(client))
     return {"concurrency": concurrency, **level_figures(results, duration, counters)}
 
 
 def _ms_percentile(values: list[float | None], q: float) -> float | None:
-    value = report.percentile(values, q)
+    value = percentile(values, q)
     return None if value is None else value * 1000
 
 
@@ -159,7 +159,7 @@ def level_figures(results: list[dict[str, Any]], duration: float, counters: dict
     server's spec-decode counters over it."""
     tokens = sum(r["tokens"] for r in results)
     itl = [gap for r in results for gap in r["itl"]]
-    figures = report.spec_figures(
+    figures = spec_figures(
         tokens, int(counters["accepted"]), int(counters["draft_tokens"]), int(counters["drafts"]), len(results)
     )
     return {

@@ -10,219 +10,195 @@ target and, in float32, the top-2 margins the divergence reports need.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import itertools
 import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks.divergence import Reference, continuation_margins
+from benchmarks.figures import continuation_logprobs, counter_delta
 from benchmarks.plan import Setting
 from benchmarks.processes import ENV_DEFAULTS, wait_for
+from benchmarks.records import SPEC_COUNTERS, TREE_PREFIX, BeamCounts, Job, RunRecord, Scenario, WorkerResult
+from vllm_specbeam.adapter.tree_counts import TreeCounts
 
 WARM_UP_TEXT = "A short sentence to warm the engine up."
-
-
-@dataclass(frozen=True)
-class Scenario:
-    batch_size: int
-    temperature: float
-    #: every request's ``cache_salt`` (``compare.py --cache-salt``; None: unsalted requests): vLLM's
-    #: prefix-cache salt, by which the plugin's cross-request index is partitioned (issue #60)
-    cache_salt: str | None = None
-
-
-@dataclass
-class Job:
-    """What one worker runs, and where it reports (paths the parent reads)."""
-
-    name: str
-    model: str
-    dtype: str
-    max_model_len: int
-    seed: int
-    speculative_config: dict[str, Any] | None
-    engine_kwargs: dict[str, Any]
-    prompts: list[str]
-    max_tokens: int
-    repeats: int
-    scenarios: list[Scenario]
-    settings: list[Setting]
-    #: the raw data (JSON) and the steps done so far (a count, for progress and turns)
-    result: str
-    progress: str
-    #: whether this (no-speculation) engine scores outputs after its timed runs
-    score_outputs: bool = False
-    #: the divergence reports' contexts: the margins along its ``own`` outputs or the ``external`` ones
-    margins_along: str = "own"
-    #: other engines' outputs to score: {"engine", "run", "prompt", "output"} each
-    score: list[dict[str, Any]] = field(default_factory=list)
-    #: ``--interleave``: the file whose content says whose turn it is, and where ``score`` comes at the end
-    turn: str | None = None
-    score_file: str | None = None
-
-    @property
-    def timed_runs(self) -> int:
-        return self.repeats * len(self.scenarios) * len(self.settings)
-
-    @classmethod
-    def load(cls, path: Path) -> Job:
-        data = json.loads(path.read_text())
-        data["scenarios"] = [Scenario(**s) for s in data["scenarios"]]
-        data["settings"] = [Setting(**s) for s in data["settings"]]
-        return cls(**data)
+#: the runner's stats that are fitted lines, not counters (``TreeRunnerMixin.tree_stats``)
+COST_PREFIXES = ("step_cost_", "chain_cost_", "plain_cost_", "draft_cost_")
 
 
 def run_job(job: Job) -> None:
     """Run the job's engine through every setting x scenario x repeat; write its raw data."""
-    progress = Path(job.progress)
-    done = 0
+    engine = Engine.start(job)
+    records = engine.timed_runs()
+    if job.score_outputs and job.score_file:  # --interleave: the others' outputs come at their end
+        job.score = json.loads(wait_for(Path(job.score_file)))
+    llm = engine.llm
+    scores = score(llm, engine.prompt_ids, job.score, records, job.margins_along) if job.score_outputs else None
+    engine.tick()
+    # as vLLM resolved it: never for custom_class methods (the plugin's), never on CPU (its platform)
+    async_scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    result = WorkerResult(engine.start_s, async_scheduling, resolved_dtype(llm), records, scores)
+    Path(job.result).write_text(json.dumps(asdict(result)))
+    llm.llm_engine.engine_core.shutdown()
 
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        progress.write_text(str(done))
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import BeamSearchParams
+@dataclass
+class Engine:
+    """A worker's engine, started and warm, with what it read of the plugin runner after the
+    last run (the drafter's cross-request memory, the fitted costs: not counters)."""
 
-    from vllm_specbeam.adapter.runner import STATE_BYTES
+    llm: Any
+    job: Job
+    tokenizer: Any
+    prompt_ids: list[list[int]]
+    start_s: float
+    steps_done: int = 0
+    state_bytes: int | None = None
+    step_cost: dict[str, float] = field(default_factory=dict)
+    searches: dict[int | None, Any] = field(default_factory=dict)
 
-    started = time.perf_counter()
-    llm = LLM(
-        model=job.model,
-        dtype=job.dtype,
-        max_model_len=job.max_model_len,
-        seed=job.seed,
-        speculative_config=job.speculative_config,
-        disable_log_stats=False,
-        **job.engine_kwargs,
-    )
-    start_s = time.perf_counter() - started
-    tokenizer = llm.get_tokenizer()
-    prompt_ids = [tokenizer.encode(text) for text in job.prompts]
-    # Warm-up on a text outside the workload: methods that remember earlier requests
-    # (suffix, lookup_tree's global scope) must not have seen a prompt before it runs
-    # (nor, by _forget_finished, the outputs of an earlier run of the same prompts).
-    warm_up = TokensPrompt(prompt_token_ids=tokenizer.encode(WARM_UP_TEXT))
-    llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    tick()  # started and warm (--interleave hands out turns after every engine's first step)
+    @classmethod
+    def start(cls, job: Job) -> Engine:
+        """The job's engine, started and warmed up; its start time recorded."""
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
 
-    state_bytes: int | None = None  # the drafter's cross-request memory after the last run
-    step_cost: dict[str, float] = {}  # the fitted costs (target's steps, draft's forwards) after the last run
+        started = time.perf_counter()
+        llm = LLM(
+            model=job.model,
+            dtype=job.dtype,
+            max_model_len=job.max_model_len,
+            seed=job.seed,
+            speculative_config=job.speculative_config,
+            disable_log_stats=False,
+            **job.engine_kwargs,
+        )
+        start_s = time.perf_counter() - started
+        tokenizer = llm.get_tokenizer()
+        engine = cls(llm, job, tokenizer, [tokenizer.encode(text) for text in job.prompts], start_s)
+        # Warm-up on a text outside the workload: methods that remember earlier requests
+        # (suffix, lookup_tree's global scope) must not have seen a prompt before it runs
+        # (nor, by _forget_finished, the outputs of an earlier run of the same prompts).
+        warm_up = TokensPrompt(prompt_token_ids=tokenizer.encode(WARM_UP_TEXT))
+        llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        engine.tick()  # started and warm (--interleave hands out turns after every engine's first step)
+        return engine
 
-    def counters() -> dict[str, Any]:
-        nonlocal state_bytes
-        snapshot = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
-        values = {key: snapshot[name] for key, name in report.SPEC_COUNTERS.items() if name in snapshot}
-        tree = llm.collective_rpc(_read_tree_stats)[0]
-        if tree is not None:
-            state_bytes = tree.pop(STATE_BYTES)
-            step_cost.update({key: tree.pop(key) for key in list(tree) if key.startswith(COST_PREFIXES)})
-            values.update({f"tree_{key}": value for key, value in tree.items()})
-        searches = [speculative_search(d) for d in {s.beam_depth for s in job.settings if s.speculative}]
-        if searches:  # rounds are target passes; steps are tokens per beam
-            values.update(
-                beam_rounds=sum(s.stats.prompt_rounds for s in searches),
-                beam_steps=sum(s.stats.steps for s in searches),
-                beam_draft_seconds=sum(s.stats.draft_seconds for s in searches),
-                beam_scored_rows=sum(s.stats.scored_rows for s in searches),
-                beam_shared_rounds=sum(s.stats.shared_rounds for s in searches),
-                beam_drafted_depths=sum(s.stats.drafted_depths for s in searches),
+    def tick(self) -> None:
+        """One more step done, in the progress file the parent reads."""
+        self.steps_done += 1
+        Path(self.job.progress).write_text(str(self.steps_done))
+
+    def timed_runs(self) -> list[RunRecord]:
+        """Every setting x scenario x repeat, repeats outermost (drift on a shared machine
+        hits every setting alike); one record per setting and scenario."""
+        records: dict[tuple[int, int], RunRecord] = {}
+        job = self.job
+        runs = itertools.product(range(job.repeats), enumerate(job.scenarios), enumerate(job.settings))
+        for turn, (_, (scenario_index, scenario), (setting_index, setting)) in enumerate(runs):
+            fresh_start(self.llm)
+            before = self.counters()
+            if job.turn:
+                wait_for(Path(job.turn), f"{job.name} {turn}")
+            started_at = time.time()
+            t0 = time.perf_counter()
+            outputs = self.generate(setting, scenario)
+            wall = time.perf_counter() - t0
+            delta = counter_delta(before, self.counters())
+            texts = [self.tokenizer.decode(ids) for ids in outputs]
+            record = records.setdefault(
+                (scenario_index, setting_index), RunRecord(scenario_index, setting_index, outputs, texts)
             )
+            record.add_repeat(wall, started_at, sum(map(len, outputs)), delta)
+            record.drafter_state_bytes, record.step_cost = self.state_bytes, dict(self.step_cost)
+            self.tick()
+        return list(records.values())
+
+    def counters(self) -> dict[str, Any]:
+        """vLLM's spec-decode counters, the plugin runner's and the speculative beam search's."""
+        snapshot = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in self.llm.get_metrics()}
+        values = {key: snapshot[name] for key, name in SPEC_COUNTERS.items() if name in snapshot}
+        stats = self.llm.collective_rpc(_read_tree_stats)[0]
+        if stats is not None:
+            from vllm_specbeam.adapter.runner import STATE_BYTES
+
+            self.state_bytes = stats.pop(STATE_BYTES)
+            counters, costs = tree_counters(stats)
+            self.step_cost.update(costs)
+            values.update(counters)
+        searches = [self.speculative_search(d) for d in {s.beam_depth for s in self.job.settings if s.speculative}]
+        if searches:
+            values.update(beam_counts(searches).as_counters())
         return values
 
-    @functools.cache
-    def speculative_search(depth: int | None) -> Any:
-        from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
+    def speculative_search(self, depth: int | None) -> Any:
+        """The plugin's speculative beam search at draft ``depth``, one per depth."""
+        if depth not in self.searches:
+            from vllm_specbeam.adapter.beam_search import SpeculativeBeamSearch
 
-        return SpeculativeBeamSearch(llm, num_speculative_tokens=depth)
+            self.searches[depth] = SpeculativeBeamSearch(self.llm, num_speculative_tokens=depth)
+        return self.searches[depth]
 
-    def run(setting: Setting, scenario: Scenario) -> list[list[int]]:
+    def generate(self, setting: Setting, scenario: Scenario) -> list[list[int]]:
         """All prompts, at most ``batch_size`` requests in flight at a time, every request with
         the scenario's ``cache_salt`` (or none). Each run starts on an empty prefix cache
         (:func:`fresh_start`), so none reads the KV blocks an earlier run left."""
-        token_prompts = request_prompts(prompt_ids, scenario.cache_salt)
+        prompts = request_prompts(self.prompt_ids, scenario.cache_salt)
         outputs: list[list[int]] = []
-        for first in range(0, len(token_prompts), scenario.batch_size):
-            indices = range(first, min(first + scenario.batch_size, len(token_prompts)))
-            if setting.beam_width:
-                beam = BeamSearchParams(beam_width=setting.beam_width, max_tokens=job.max_tokens, ignore_eos=True)
-                search = speculative_search(setting.beam_depth).run if setting.speculative else llm.beam_search
-                for index, result in zip(indices, search([token_prompts[i] for i in indices], beam)):
-                    outputs.append(list(result.sequences[0].tokens[len(prompt_ids[index]) :]))
-                continue
-            sampled = scenario.temperature > 0
-            params = [
-                SamplingParams(
-                    temperature=scenario.temperature,
-                    max_tokens=job.max_tokens,
-                    ignore_eos=True,
-                    seed=job.seed + i if sampled else None,
-                    extra_args=setting.extra_args,
-                )
-                for i in indices
-            ]
-            results = llm.generate([token_prompts[i] for i in indices], params, use_tqdm=False)
-            outputs.extend(list(r.outputs[0].token_ids) for r in results)
+        for first in range(0, len(prompts), scenario.batch_size):
+            indices = range(first, min(first + scenario.batch_size, len(prompts)))
+            batch = self.beam_search if setting.beam_width else self.sample
+            outputs += batch(setting, scenario, [prompts[i] for i in indices], indices)
         return outputs
 
-    runs: dict[tuple[int, int], dict[str, Any]] = {}
-    turns = itertools.count()
-    for _ in range(job.repeats):  # repeats outermost: drift on a shared machine hits every setting alike
-        for scenario_index, scenario in enumerate(job.scenarios):
-            for setting_index, setting in enumerate(job.settings):
-                fresh_start(llm)
-                before = counters()
-                if job.turn:
-                    wait_for(Path(job.turn), f"{job.name} {next(turns)}")
-                started_at = time.time()
-                t0 = time.perf_counter()
-                outputs = run(setting, scenario)
-                wall = time.perf_counter() - t0
-                delta = report.counter_delta(before, counters())
-                record = runs.setdefault(
-                    (scenario_index, setting_index),
-                    {
-                        "scenario": scenario_index,
-                        "setting": setting_index,
-                        "wall_s": [],
-                        "started_s": [],
-                        "output_tokens_runs": [],
-                        "counters": {},
-                        "outputs": outputs,
-                        "texts": [tokenizer.decode(ids) for ids in outputs],
-                    },
-                )
-                record["wall_s"].append(wall)
-                record["started_s"].append(started_at)
-                record["drafter_state_bytes"] = state_bytes
-                record["step_cost"] = dict(step_cost)
-                record["output_tokens_runs"].append(sum(map(len, outputs)))
-                record["counters"] = report.add_counters(record["counters"], delta)
-                tick()
+    def beam_search(self, setting: Setting, _: Scenario, prompts: list[Any], indices: range) -> list[list[int]]:
+        """vLLM's beam search or the plugin's speculative one: each prompt's best beam."""
+        from vllm.sampling_params import BeamSearchParams
 
-    records = list(runs.values())
-    if job.score_outputs and job.score_file:  # --interleave: the others' outputs come at their end
-        job.score = json.loads(wait_for(Path(job.score_file)))
-    scores = score(llm, prompt_ids, job.score, records, job.margins_along) if job.score_outputs else None
-    tick()
-    # as vLLM resolved it: never for custom_class methods (the plugin's), never on CPU (its platform)
-    async_scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
-    result = {
-        "start_s": start_s,
-        "async_scheduling": async_scheduling,
-        "dtype": resolved_dtype(llm),
-        "runs": records,
-        "scores": scores,
-    }
-    Path(job.result).write_text(json.dumps(result))
-    llm.llm_engine.engine_core.shutdown()
+        beam = BeamSearchParams(beam_width=setting.beam_width, max_tokens=self.job.max_tokens, ignore_eos=True)
+        search = self.speculative_search(setting.beam_depth).run if setting.speculative else self.llm.beam_search
+        results = search(prompts, beam)
+        return [list(result.sequences[0].tokens[len(self.prompt_ids[i]) :]) for i, result in zip(indices, results)]
+
+    def sample(self, setting: Setting, scenario: Scenario, prompts: list[Any], indices: range) -> list[list[int]]:
+        """Greedy or sampled (seeded per prompt) with the setting's per-request options."""
+        from vllm import SamplingParams
+
+        sampled = scenario.temperature > 0
+        params = [
+            SamplingParams(
+                temperature=scenario.temperature,
+                max_tokens=self.job.max_tokens,
+                ignore_eos=True,
+                seed=self.job.seed + i if sampled else None,
+                extra_args=setting.extra_args,
+            )
+            for i in indices
+        ]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        return [list(r.outputs[0].token_ids) for r in results]
+
+
+def tree_counters(stats: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    """The plugin runner's stats (the drafter's memory taken out) as counters under ``tree_``: its
+    :class:`TreeCounts` fields and its cross-request index's stats; and its fitted cost lines apart."""
+    costs = {key: value for key, value in stats.items() if key.startswith(COST_PREFIXES)}
+    counts = {f.name: stats[f.name] for f in dataclasses.fields(TreeCounts)}
+    index = {key: value for key, value in stats.items() if key not in counts and key not in costs}
+    return {TREE_PREFIX + key: value for key, value in {**counts, **index}.items()}, costs
+
+
+def beam_counts(searches: list[Any]) -> BeamCounts:
+    """The speculative beam searches' stats, summed: rounds are target passes (``prompt_rounds``)."""
+    stats = [search.stats for search in searches]
+    names = {f.name: "prompt_rounds" if f.name == "rounds" else f.name for f in dataclasses.fields(BeamCounts)}
+    return BeamCounts(**{key: sum(getattr(s, name) for s in stats) for key, name in names.items()})
 
 
 def request_prompts(prompt_ids: list[list[int]], cache_salt: str | None) -> list[Any]:
@@ -232,10 +208,6 @@ def request_prompts(prompt_ids: list[list[int]], cache_salt: str | None) -> list
 
     salted = {} if cache_salt is None else {"cache_salt": cache_salt}
     return [TokensPrompt(prompt_token_ids=ids, **salted) for ids in prompt_ids]
-
-
-#: the runner's stats that are fitted lines, not counters (``TreeRunnerMixin.tree_stats``)
-COST_PREFIXES = ("step_cost_", "chain_cost_", "plain_cost_", "draft_cost_")
 
 
 def fresh_start(llm: Any) -> None:
@@ -283,7 +255,7 @@ def score(
     llm: Any,
     prompt_ids: list[list[int]],
     external: list[dict[str, Any]],
-    own_runs: list[dict[str, Any]],
+    own_runs: list[RunRecord],
     margins_along: str,
 ) -> dict[str, Any]:
     """Log-probabilities of outputs under this (no-speculation) engine's target,
@@ -302,7 +274,7 @@ def score(
     from vllm.inputs import TokensPrompt
 
     items = [(e["prompt"], tuple(e["output"])) for e in external]
-    items += [(i, tuple(out)) for run in own_runs for i, out in enumerate(run["outputs"])]
+    items += [(i, tuple(out)) for run in own_runs for i, out in enumerate(run.outputs)]
     unique = sorted(set(items))
     wanted = set(items[: len(external)] if margins_along == "external" else items[len(external) :])
     if resolved_dtype(llm) != "float32":
@@ -315,14 +287,14 @@ def score(
     scored, margins = {}, {}
     for (p, o), result in zip(unique, results):
         table = [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in result.prompt_logprobs]
-        scored[(p, o)] = report.continuation_logprobs(table, prompt_ids[p] + list(o), len(prompt_ids[p]))
+        scored[(p, o)] = continuation_logprobs(table, prompt_ids[p] + list(o), len(prompt_ids[p]))
         if (p, o) in wanted:
-            margins[(p, o)] = report.continuation_margins(table, len(prompt_ids[p]))
+            margins[(p, o)] = continuation_margins(table, len(prompt_ids[p]))
 
-    def per_item(values: dict[report.Reference, list[float]], group: str) -> list[Any]:
+    def per_item(values: dict[Reference, list[float]], group: str) -> list[Any]:
         if group == "external":
             return [values[item] for item in items[: len(external)]]
-        return [[values[(i, tuple(out))] for i, out in enumerate(run["outputs"])] for run in own_runs]
+        return [[values[(i, tuple(out))] for i, out in enumerate(run.outputs)] for run in own_runs]
 
     return {
         "external": per_item(scored, "external"),

@@ -1,17 +1,23 @@
 """How the plugin reaches into vLLM: the guarded patch helper, the worker
-class chosen for plugin methods, and what is refused at start-up."""
+class chosen for plugin methods, what is refused at start-up, and the tree
+runner that worker builds (its outputs and counters against a replay)."""
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
-from conftest import make_prompts
+from conftest import greedy, runner_stats, token_ids
 from specs import LOOKUP
 
 from vllm_specbeam.adapter import engine_config, patches, plugin, worker
-from vllm_specbeam.core.config import SpecbeamConfigError
+from vllm_specbeam.core.config import SpecbeamConfigError, parse
+from vllm_specbeam.core.drafter import DraftRequest
+from vllm_specbeam.core.tree import DraftTree, committed_path
+from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 
 
 def create_config(model: str, spec: dict | None, **kwargs):
@@ -206,16 +212,44 @@ def _classes(wrapper) -> tuple[str, str, str]:
     return type(inner).__name__, type(inner.model_runner).__name__, cpu_worker.CPUModelRunner.__name__
 
 
-def _tree_stats(wrapper) -> dict[str, float]:
-    return wrapper.model_runner.tree_stats
+#: the runner's counters that :func:`replay_counts` predicts
+REPLAYED = ("trees", "nodes", "accepted", "depth_sum", "kv_moves")
 
 
-def test_the_engine_builds_the_tree_runner_in_the_plugins_worker(engines):
-    from vllm import SamplingParams
+def replay_counts(options: dict, prompt_ids: list[int], output: list[int]) -> Counter[str]:
+    """What the runner counts for one greedy ``lookup_tree`` request (fixed ``max_nodes``: no
+    budget, its drafter reads the request's own text alone): after each step it drafts from the
+    tokens so far, no deeper than the tokens left after the step's own one; the target accepts
+    the nodes its output walks down, and each accepted node drafted in another row than its
+    depth's moves its K/V there."""
+    drafter = LookupTreeDrafter(options)
+    counts: Counter[str] = Counter()
+    done = 1  # the prefill's token
+    while done < len(output):
+        depth = min(options["num_speculative_tokens"], len(output) - done - 1)
+        tokens = np.asarray([*prompt_ids, *output[:done]])  # [num_tokens]
+        request = DraftRequest("r", tokens, {**options, "num_speculative_tokens": depth})
+        tree = drafter.propose([request])[0] if depth > 0 else DraftTree.empty()
+        path = committed_path(tree.tokens.tolist(), tree.parents.tolist(), output[done:])
+        if tree.num_nodes:
+            moved = sum(node != row for row, node in enumerate(path))
+            counts.update(trees=1, nodes=tree.num_nodes, accepted=len(path), depth_sum=tree.max_depth, kv_moves=moved)
+        done += len(path) + 1
+    return counts
 
+
+def test_the_tree_runner_in_the_plugins_worker_decodes_exactly_and_counts_what_it_verified(engines, prompts, reference):
+    """The plugin's worker runs the tree runner; its greedy outputs are vLLM's without
+    speculation, and its counters are those of the trees its drafter proposed for them,
+    replayed here step by step."""
     llm = engines.get(LOOKUP)
     # The runner name CPUWorker.init_device reads is vLLM's again once the runner is built.
     assert llm.collective_rpc(_classes) == [("TreeCPUWorker", "TreeCPUModelRunner", "CPUModelRunner")]
-    llm.generate(make_prompts(2), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    stats = llm.collective_rpc(_tree_stats)[0]  # the counters cross the process boundary as a dict
-    assert stats["trees"] > 0 and set(stats) >= {"nodes", "accepted", "kv_moves", "draft_seconds"}
+    before = runner_stats(llm)  # the counters cross the process boundary as a dict
+    outputs = llm.generate(prompts[:2], greedy())
+    after = runner_stats(llm)
+    assert token_ids(outputs) == reference[:2]
+    replays = [replay_counts(parse(LOOKUP).options, out.prompt_token_ids, token_ids([out])[0]) for out in outputs]
+    expected = sum(replays, Counter())
+    assert {name: after[name] - before[name] for name in REPLAYED} == {name: expected[name] for name in REPLAYED}
+    assert 0 < expected["accepted"] < expected["nodes"] and expected["kv_moves"] > 0  # the replay is no triviality

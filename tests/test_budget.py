@@ -310,6 +310,20 @@ def test_new_request_starts_from_the_engine_rates():
     assert budget.rates("new")[0, 0, 0] < 0.2  # learnt from "r": the engine's drafts do not pay
 
 
+def test_dear_rows_keep_no_node_and_free_rows_bring_the_drafts_back():
+    """Under a planted line where a row costs a hundred steps, the budget keeps no node however
+    well the drafts are accepted, and the request sits out 1, 3, then 7 steps between tries (-1);
+    once rows are free and the batch woken mid-rest, it drafts at once and keeps what it asks
+    for, asking for more each step (2, 6, then the cap)."""
+    budget = StepBudget()
+    budget.cost = budget.chain_cost = budget.plain_cost = StepCost(0.01, 1.0)
+    assert run_steps(budget, accept=True, steps=18) == [0, -1, 0, -1, -1, -1, 0, *[-1] * 7, 0, -1, -1, -1]
+    assert budget.kept_value == 0.0 and budget.rates("r")[0, 0, 0] > 0.9
+    budget.cost = budget.chain_cost = budget.plain_cost = StepCost(0.01, 0.0)
+    budget.wake()
+    assert run_steps(budget, accept=True, steps=4) == [2, 6, 8, 8]
+
+
 def test_kinds_are_calibrated_apart():
     """A drafter's kinds tell nodes at the same depth and rank apart: one kind always
     accepted, the other never, alternating step by step. Pooled (no kinds) each is worth
@@ -417,25 +431,10 @@ def test_auto_budget_greedy_equals_no_speculation(engines, prompts, reference, c
     after = runner_stats(llm)
     # The budget ran: it timed steps, fitted a line, was asked, kept and pruned nodes.
     assert after["budget_asked"] > before["budget_asked"]
-    assert math.isfinite(after["step_cost_per_row_s"])
-    assert after["step_cost_intercept_s"] > 0
+    # a fitted line pricing a one-row step above nothing (its intercept is clipped at 0, where a
+    # loaded machine's noisy steps can put it)
+    assert math.isfinite(after["step_cost_per_row_s"]) and after["step_cost_intercept_s"] >= 0
+    assert after["step_cost_intercept_s"] + after["step_cost_per_row_s"] > 0
     assert after["accepted"] > before["accepted"]
     assert 0 < after["budget_kept"] - before["budget_kept"] <= after["budget_drafted"] - before["budget_drafted"]
     assert after["nodes"] - before["nodes"] <= after["budget_kept"] - before["budget_kept"]
-
-
-def test_dear_rows_stop_drafting_and_outputs_stay_exact(engines, prompts, reference):
-    """A planted cost line where a row costs a hundred steps: the budget keeps no
-    node, the batch rests (vLLM's plain steps), outputs are unchanged; free rows bring drafts back."""
-    llm = engines.get(LOOKUP_AUTO)
-    llm.collective_rpc(_plant_cost, args=(0.01, 1.0))
-    before = runner_stats(llm)
-    assert token_ids(llm.generate(prompts, greedy())) == reference
-    after = runner_stats(llm)
-    assert after["nodes"] == before["nodes"]  # nothing verified
-    assert after["budget_kept"] == before["budget_kept"]
-    assert after["steps_off"] > before["steps_off"]
-    llm.collective_rpc(_plant_cost, args=(0.01, 0.0))
-    assert token_ids(llm.generate(prompts, greedy())) == reference
-    assert runner_stats(llm)["nodes"] > after["nodes"]
-    llm.collective_rpc(_plant_cost)

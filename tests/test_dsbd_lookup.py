@@ -114,15 +114,41 @@ def test_fill_shape_is_max_width_per_depth() -> None:
     assert fill_shape(2, 3).parents.tolist() == [ROOT, ROOT, 0, 0, 2, 2]
 
 
+def lookup_chain_round(p: np.ndarray, chain: list[int], uniforms: np.ndarray) -> list[int]:
+    """What a sampled round commits on a forest of one lookup chain (a point mass at every depth,
+    width 1), the rule written out: node ``k`` is accepted while ``uniforms[k]`` falls below the
+    target's ``p[k, chain[k]]`` (row ``k``: the row below node ``k - 1``); then one target token,
+    drawn by inverting the CDF at the last uniform of the row the chain stopped at, less the
+    rejected token (if any)."""
+    accepted = 0
+    while accepted < len(chain) and uniforms[accepted] < p[accepted, chain[accepted]]:
+        accepted += 1
+    row = p[accepted].copy()  # [V]
+    if accepted < len(chain):
+        row[chain[accepted]] = 0.0
+    cdf = np.cumsum(row)  # [V]
+    return [*chain[:accepted], int(np.searchsorted(cdf, uniforms[-1] * cdf[-1], side="right"))]
+
+
 def test_a_lookup_that_fills_the_budget_runs_no_forest() -> None:
+    """The draft never runs, and the lookup chain it leaves is verified without draft rows: each
+    seeded round commits what :func:`lookup_chain_round` says."""
     runtime = DeferringRuntime()
     d = learnt(hybrid(runtime, max_nodes=8), 0.95, 0.5)
     tree = d.propose([DraftRequest("r", np.array(REPEATS), d.options, 1.0)])[0]
     assert isinstance(tree, BeamForest) and tree.max_width == 4
     assert tree.tokens.tolist() == [9, 10, 11, 12, 13, 14, 15, 16] and set(tree.kinds.tolist()) == {0}
     assert runtime.synced == [] and runtime.fed == [] and runtime.deferred == ["r"]
-    p = torch.softmax(torch.randn(9, 20, generator=torch.Generator().manual_seed(0)), -1)  # [rows, V]
-    assert len(DsbdVerifier().verify([tree], p, np.array([0])).tokens[0]) >= 1  # verifiable without draft rows
+    noise = torch.softmax(torch.randn(9, 20, generator=torch.Generator().manual_seed(0), dtype=torch.float64), -1)
+    p = (0.3 * noise + 0.7 * torch.eye(20, dtype=torch.float64)[[*tree.tokens, 0]]).numpy()  # [rows, V]
+    lengths = set()
+    for seed in range(32):
+        verdict = DsbdVerifier().verify([tree], torch.tensor(p), np.array([0]), [torch.Generator().manual_seed(seed)])
+        uniforms = torch.rand(tree.num_nodes + 1, generator=torch.Generator().manual_seed(seed)).double().numpy()
+        expected = lookup_chain_round(p, tree.tokens.tolist(), uniforms)
+        assert verdict.tokens[0] == expected and verdict.widths[0] == [1] * (len(expected) - 1)
+        lengths.add(len(expected) - 1)
+    assert {0, 1, 2, 3, tree.num_nodes} <= lengths  # rounds stopping at several depths, and at none
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_kernels import vllm_dependent_tests
+from benchmarks.gpu_kernels import append_record, read_records, vllm_dependent_tests
 
 ROOT = Path(__file__).resolve().parent.parent
 HIDDEN_VLLM = "raise ModuleNotFoundError(\"No module named 'vllm' (hidden by the test)\", name='vllm')\n"
@@ -135,3 +135,13 @@ def test_vllm_dependent_tests_are_found_by_reading_the_files(tmp_path):
         "import pytest\n\n@pytest.fixture(autouse=True)\ndef _f():\n    import vllm\n\ndef test_x():\n    pass\n"
     )
     assert list(vllm_dependent_tests(tmp_path / "test_autouse.py")) == [""]
+
+
+def test_records_skip_a_line_cut_short(tmp_path):
+    """What a stopped writer left reads (the greedy stage's engines, the benchmark's rows)."""
+    path = tmp_path / "greedy-eager.jsonl"
+    append_record(path, {"engine": "none", "diverged": None, "seconds": 1})
+    with path.open("a") as out:
+        out.write('{"engine": "ad')
+    assert read_records(path) == [{"engine": "none", "diverged": None, "seconds": 1}]
+    assert read_records(tmp_path / "absent.jsonl") == []

@@ -33,16 +33,16 @@ from vllm_specbeam.core.budget import (
     RANK_BUCKETS,
     BackOff,
     StepCost,
-    lookup_first,
 )
 from vllm_specbeam.core.config import AUTO, METHODS, SpecbeamConfigError, parse
 from vllm_specbeam.core.controller import StepPrices
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
-from vllm_specbeam.draft_runtime.lookup import (
+from vllm_specbeam.methods.lookup_tree.branches import (
     EXPLORE_MAX_LAG,
     NEW_TEXT_STEPS,
     fill_paid,
+    lookup_first,
     mixed_tree,
     root_tokens,
 )

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import greedy, make_prompts, read_stats, rpc_after_finished, runner_stats, token_ids
+from conftest import greedy, make_prompts, runner_stats, token_ids
 from specs import LOOKUP, LOOKUP_GLOBAL
 
-from vllm_specbeam.core.config import TREE_OPTIONS
+from vllm_specbeam.core.config import TREE_OPTIONS, parse
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.lookup import match_ends, match_kind
 from vllm_specbeam.core.tree import ROOT
@@ -250,9 +250,25 @@ def test_the_global_scope_drafts_as_deep_as_the_match_is_long() -> None:
     assert drafter.propose([full])[0].tokens.tolist() == list(range(5, 13))  # factor 0: always the full depth
 
 
-def test_the_global_scope_changes_defaults_the_user_did_not_set() -> None:
-    from vllm_specbeam.core.config import parse
+def test_a_finished_request_is_indexed_whole_and_its_repeat_drafts_as_deep_as_asked() -> None:
+    """The engine's global scope (``LOOKUP_GLOBAL``) indexes a finished request's prompt and output:
+    one int64 a token and one for the separator (the runner reports ``state_bytes``). The same
+    prompt again drafts that output from the index, one chain exactly as deep as asked: the
+    runner asks no deeper than the tokens the request has left (the engine test below)."""
+    options = parse(LOOKUP_GLOBAL).options
+    prompt, output = np.split(np.random.default_rng(0).permutation(1000)[:50], [30])  # no token twice
+    drafter = LookupTreeDrafter(options)
+    assert drafter.state_bytes == 0
+    drafter.finished([DraftRequest("a", np.concatenate([prompt, output]), options)])
+    assert drafter.state_bytes == 8 * (prompt.size + output.size + 1)
+    for depth in range(1, options["num_speculative_tokens"] + 1):
+        tree = drafter.propose([DraftRequest("b", prompt, {**options, "num_speculative_tokens": depth})])[0]
+        assert tree.tokens.tolist() == output[:depth].tolist() and tree.is_chain and tree.from_index.all()
+    drafter.forget_finished()
+    assert drafter.state_bytes == 0 and drafter.propose([DraftRequest("b", prompt, options)])[0].num_nodes == 0
 
+
+def test_the_global_scope_changes_defaults_the_user_did_not_set() -> None:
     request_scope = parse({"method": "lookup_tree"}).options
     assert (request_scope["num_speculative_tokens"], request_scope["depth_factor"]) == (4, 0.0)
     chosen = parse({"method": "lookup_tree", "scope": "global"}).options
@@ -269,11 +285,12 @@ def empty_global_engine(engines, spec: dict):
     return llm
 
 
-def accepted_per_step(llm, prompt: str, params) -> tuple[list[int], float]:
+def accepted_and_trees(llm, prompt: str, params) -> tuple[list[int], int, int]:
+    """``prompt``'s output, and the nodes accepted and trees verified while it ran."""
     before = runner_stats(llm)
     out = token_ids(llm.generate([prompt], params))[0]
     after = runner_stats(llm)
-    return out, (after["accepted"] - before["accepted"]) / max(1, after["trees"] - before["trees"])
+    return out, after["accepted"] - before["accepted"], after["trees"] - before["trees"]
 
 
 def test_a_request_drafts_from_text_only_another_produced(engines) -> None:
@@ -296,49 +313,36 @@ def test_a_request_drafts_from_text_only_another_produced(engines) -> None:
         params = greedy(64)
         params.extra_args = {"share": share}
         assert token_ids(llm.generate([prompt], params))[0] == first
-        out, rates[(scope, share)] = accepted_per_step(llm, second, greedy(40))
+        out, accepted, trees = accepted_and_trees(llm, second, greedy(40))
         assert out == reference
+        rates[(scope, share)] = accepted / max(1, trees)
     assert rates[("global", True)] >= 3.0  # of 4: B's drafts are A's output
     assert rates[("global", True)] > rates[("global", False)] + 1.0
     assert rates[("global", True)] > rates[("request", True)] + 1.0
 
 
-def test_drafts_stop_at_max_tokens_and_the_index_memory_is_reported(engines) -> None:
-    """A repeated request drafts from its first run's output, but never past its
-    ``max_tokens``: every step commits its accepted drafts plus one target token,
-    and together they fit in the tokens left. The index's memory is in the
-    runner's stats: one int64 per indexed token and separator."""
-    from vllm_specbeam.adapter.runner import STATE_BYTES
+def test_the_runner_drafts_no_further_than_max_tokens_and_the_context_limit(engines) -> None:
+    """Only what the runner adds to the drafter (unit-tested above): the global index drafts a
+    repeated request deep, and the runner cuts the drafts to what the request can still take.
+    Before ``max_tokens``, every step commits its accepted drafts plus one target token, and together
+    they fit in the tokens left; 24 tokens short of ``max_model_len``, vLLM cuts what would pass the
+    limit, and the request ends there with the tokens of vLLM without speculation."""
+    from conftest import MAX_MODEL_LEN
+    from tiny_model import prompt_text
 
-    prompt = make_prompts(10)[3]
     llm = empty_global_engine(engines, LOOKUP_GLOBAL)
-    assert runner_stats(llm)[STATE_BYTES] == 0
+    prompt = make_prompts(10)[3]
     first = token_ids(llm.generate([prompt], greedy(32)))[0]
-    indexed = len(llm.get_tokenizer().encode(prompt)) + len(first)
-    assert rpc_after_finished(llm, read_stats)[STATE_BYTES] == 8 * (indexed + 1)  # indexed once finished
-    before = runner_stats(llm)
-    again = token_ids(llm.generate([prompt], greedy(12)))[0]
-    after = runner_stats(llm)
-    accepted, trees = after["accepted"] - before["accepted"], after["trees"] - before["trees"]
+    again, accepted, trees = accepted_and_trees(llm, prompt, greedy(12))
     assert again == first[:12]
     assert accepted >= 8  # the first run's output drafted the repeat
     assert accepted + trees <= 12 - 1  # the prefill's token, then every step's
-
-
-def test_drafts_stop_at_the_context_limit(engines) -> None:
-    """A repeated request 24 tokens short of ``max_model_len``, with ``max_tokens``
-    past it: the global index drafts deep, vLLM cuts what would pass the limit, and
-    the request ends there with the tokens of vLLM without speculation."""
-    from conftest import MAX_MODEL_LEN
-    from tiny_model import prompt_text
 
     left = 24
     words = [int(w[1:]) for w in " ".join(make_prompts(10)[6:]).split()]
     prompt = prompt_text((words * 8)[: MAX_MODEL_LEN - left])
     reference = token_ids(engines.get(None).generate([prompt], greedy(200)))[0]
     assert len(reference) == left
-    llm = empty_global_engine(engines, LOOKUP_GLOBAL)
     llm.generate([prompt], greedy(left // 2))  # indexes the first half of the answer
-    before = runner_stats(llm)
-    assert token_ids(llm.generate([prompt], greedy(200)))[0] == reference
-    assert runner_stats(llm)["accepted"] - before["accepted"] >= left // 4
+    out, accepted, _ = accepted_and_trees(llm, prompt, greedy(200))
+    assert out == reference and accepted >= left // 4

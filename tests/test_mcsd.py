@@ -17,6 +17,7 @@ from conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, checked_options, greedy, mak
 from specs import MCSD
 from test_sampling_engine import ALPHA, prefix_homogeneity, sample_sequences, target_samples
 
+from vllm_specbeam.adapter.mcsd_train import install_collector
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import DraftTree
@@ -167,20 +168,24 @@ def test_sampled_children_are_distinct_draws_carrying_their_q() -> None:
 def test_collected_rows_are_labelled_by_the_committed_tokens() -> None:
     """A chain of depth 3 scores the root row and levels 1-2; the next step's
     tokens accept two nodes and replace the third: labels 1, 1, 0."""
-    d = drafter(FakeRuntime(), k_config=[1], num_speculative_tokens=3, stop_threshold=0.0, collect=True)
+    d = drafter(FakeRuntime(), k_config=[1], num_speculative_tokens=3, stop_threshold=0.0)
+    collector = install_collector(d)
     tree = d.propose([request(d, [5, 6])])[0]
     a, b, c = tree.tokens.tolist()
     other = (c + 1) % VOCAB
     d.propose([request(d, [5, 6, a, b, other])])
-    data = d.take_collected()
+    data = collector.take()
     assert data.labels.tolist() == [1.0, 1.0, 0.0]
     assert data.depths.tolist() == [1, 2, 3]
     assert data.features.shape == (3, stopping.NUM_FEATURES)
-    assert d.take_collected().labels.size == 0
+    assert collector.take().labels.size == 0
     # a row off the committed path is not a sample: its child was never tested
     tree = d.propose([request(d, [5, 6, a, b, other])])[0]
     d.propose([request(d, [5, 6, a, b, other, (int(tree.tokens[0]) + 1) % VOCAB])])
-    assert d.take_collected().labels.tolist() == [0.0]
+    assert collector.take().labels.tolist() == [0.0]
+    # a request that left the batch leaves no rows waiting for its next step
+    d.remove_requests(["r"])
+    assert not collector.pending
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,8 @@ from vllm_specbeam.adapter.metrics import (
     ControllerCollector,
     RunnerMetrics,
 )
-from vllm_specbeam.adapter.runner import TreeCounts, cost_stats, tree_runner_class
+from vllm_specbeam.adapter.runner import tree_runner_class
+from vllm_specbeam.adapter.tree_counts import TreeCounts, cost_stats
 from vllm_specbeam.core.budget import StepCost
 
 #: a metric's name and its labels other than vLLM's (``model_name``, ``engine``)

@@ -112,7 +112,7 @@ def _check(worker, draft: str, runtime_name: str = "draft_runtime") -> dict:
 
 def _draft_compiled(worker) -> bool:
     # vLLM 0.32.0 compilation/decorators.py: set on the decorated decoder once it is compiled
-    return bool(getattr(worker.model_runner.draft_runtime.model.model, "compiled", False))
+    return bool(getattr(worker.model_runner.draft_runtime.draft.model.model, "compiled", False))
 
 
 def _counter(llm, name: str) -> float:
@@ -183,7 +183,7 @@ def _log_forwards(worker) -> None:
     call the requests it answered and its forwards' rows (``syncs``)."""
     runtime = worker.model_runner.draft_runtime
     runtime.forward_rows, runtime.syncs, sync_many = [], [], runtime.sync_many
-    runtime.model.register_forward_pre_hook(
+    runtime.draft.model.register_forward_pre_hook(
         lambda _, args, kwargs: runtime.forward_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
 
@@ -242,7 +242,7 @@ def test_a_catch_up_on_long_prompts_runs_in_forwards_within_max_num_batched_toke
 
 def _search_pool(worker) -> dict:
     runtime = worker.model_runner.search_draft_runtime
-    return {"keys": len(runtime.pool.rows), "blocks": runtime.pool.num_blocks, "live": runtime.live_requests}
+    return {"keys": len(runtime.pool.key_blocks), "blocks": runtime.pool.num_blocks, "live": runtime.live_requests}
 
 
 def _count_sync_rows(worker) -> None:
@@ -324,7 +324,7 @@ def test_bfloat16_draft_of_a_float32_target_is_greedy_exact(
 
 
 def _draft_dtype(worker) -> str:
-    return str(next(worker.model_runner.draft_runtime.model.parameters()).dtype)
+    return str(next(worker.model_runner.draft_runtime.draft.model.parameters()).dtype)
 
 
 def _check_vocabulary(worker, draft: str, kept: list[int]) -> dict:

@@ -29,10 +29,11 @@ from vllm.v1.attention.backends import triton_attn
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm_kernels import import_vllm_triton_module
 
-from vllm_specbeam.adapter import draft_model, engine_config, plugin
+from vllm_specbeam.adapter import draft_blocks, draft_model, engine_config, plugin
 from vllm_specbeam.adapter.attention import cuda as gpu_attention
 from vllm_specbeam.adapter.attention.step import masked_rows, tree_step
-from vllm_specbeam.adapter.runner import TreeCounts, TreeRunnerMixin
+from vllm_specbeam.adapter.runner import TreeRunnerMixin
+from vllm_specbeam.adapter.tree_counts import TreeCounts
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.kernels import kv_move as km_mod
@@ -538,19 +539,17 @@ def test_layers_without_the_tree_backend_or_with_alibi_are_refused():
 
 
 # ------------------------------------------- (d) the in-worker draft model on CUDA
-def cuda_draft_runtime(**attributes) -> draft_model.WorkerDraftRuntime:
-    """The engine's draft runtime as the CUDA worker would hold it (no model: the attention-side parts),
-    its tensors on DEVICE."""
-    runtime = object.__new__(draft_model.WorkerDraftRuntime)
-    runtime.device, runtime.on_cuda, runtime._fed_blocks = torch.device(DEVICE), True, {}
-    vars(runtime).update(attributes)
-    return runtime
+def cuda_draft_runtime(runner: SimpleNamespace, block_source: SimpleNamespace) -> draft_model.PagedDraftRuntime:
+    """A draft runtime as the CUDA worker would hold it, on a loaded draft without a model (the
+    attention-side parts), its tensors on DEVICE."""
+    draft = SimpleNamespace(device=torch.device(DEVICE), on_cuda=True)
+    return draft_model.PagedDraftRuntime(runner, draft, block_source)
 
 
 def feed(context: int, slots: list[int], visible: list[list[int]] | None) -> draft_model._Feed:
     """Rows at ``slots`` of a request whose committed context is ``context`` tokens."""
-    return draft_model._Feed(host_blocks([0] * 8), [0] * len(slots), slots, slots, slots[-1] + 1,
-                             visible, context)  # fmt: skip
+    return draft_model._Feed(blocks=host_blocks([0] * 8), tokens=[0] * len(slots), rope_positions=slots, slots=slots,
+                             seq_len=slots[-1] + 1, visible=visible, context=context)  # fmt: skip
 
 
 #: one draft forward: per request its feed and the keys each row must see (independent of the runtime)
@@ -575,7 +574,7 @@ def test_draft_tree_depth_sees_its_context_and_ancestors_through_the_cuda_backen
     feeds = [f for f, _ in DRAFT_FEEDS]
     counts = [len(f.tokens) for f in feeds]
     starts = np.concatenate([[0], np.cumsum(counts)])
-    step = cuda_draft_runtime()._tree_step(feeds, starts)
+    step = draft_model._tree_step(feeds, starts, True, torch.device(DEVICE))
     assert isinstance(step, gpu_attention.GpuTreeStep) and step.needs_attention
     assert step.tree_base.tolist() == [37, 16, 20, 5]  # the causal request's: seq_len - query_len
     assert step.tree_mask.shape == (sum(counts), 2)
@@ -638,14 +637,11 @@ def test_draft_moves_accepted_kv_with_the_kernel_on_cuda():
     gen = torch.Generator().manual_seed(6)
     caches = [random_kv_cache(4, gen) for _ in range(2)]
     blocks = host_blocks([2, 0, 3, 1])
-    runtime = cuda_draft_runtime(_kv_layers=[(None, c) for c in caches],
-                                 runner=SimpleNamespace(tree_counts=TreeCounts()))  # fmt: skip
-    runtime._moved_caches = lambda: runtime._kv_layers
-    runtime._blocks = lambda req_id: blocks
-    runtime.runner.input_batch = SimpleNamespace(block_table=[SimpleNamespace(block_size=BLOCK_SIZE)])
+    source = SimpleNamespace(block_size=BLOCK_SIZE, kv_caches=lambda: [(None, c) for c in caches])
+    runtime = cuda_draft_runtime(SimpleNamespace(tree_counts=TreeCounts()), source)
     # root at slot 14 (length 15); nodes a, b, c in slots 15, 16, 17 with parents [-1, -1, 1]:
     # the target committed b c x, so b, c move from 16, 17 to 15, 16
-    request = draft_model._Request(valid=15, length=15, tokens=[7, 8, 9], parents=[-1, -1, 1], depths=[1, 1, 2])
+    request = draft_model._Request(kv_len=15, length=15, tokens=[7, 8, 9], parents=[-1, -1, 1], depths=[1, 1, 2])
     expected = [c.clone() for c in caches]
     on_device = blocks.to(DEVICE)
     src = token_slots(on_device, torch.tensor([16, 17], device=DEVICE), BLOCK_SIZE)
@@ -653,15 +649,15 @@ def test_draft_moves_accepted_kv_with_the_kernel_on_cuda():
     runtime._keep_accepted(request, blocks, [8, 9, 5])
     for got, want in zip(caches, expected, strict=True):
         assert torch.equal(got, want)
-    assert request.valid == 17 and runtime.runner.tree_counts.draft_kv_moves == 2
+    assert request.kv_len == 17 and runtime.runner.tree_counts.draft_kv_moves == 2
 
 
 def test_search_pool_blocks_keep_the_engine_cache_layout():
     """The beam search's own draft blocks are laid out in memory as vLLM's cache is (here LBNHC)."""
     # logical [B, H, N, 2D]
     engine = torch.zeros(5, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, device=DEVICE).transpose(1, 2)
-    blocks = draft_model._blocks_like(engine, 9)
+    blocks = draft_blocks._blocks_like(engine, 9)
     assert blocks.shape == (9, *engine.shape[1:])
     assert blocks.stride() == (BLOCK_SIZE * NUM_KV_HEADS * 2 * HEAD_SIZE, *engine.stride()[1:])
     contiguous = torch.zeros(5, 3, 4, device=DEVICE)
-    assert draft_model._blocks_like(contiguous, 2).stride() == torch.zeros(2, 3, 4, device=DEVICE).stride()
+    assert draft_blocks._blocks_like(contiguous, 2).stride() == torch.zeros(2, 3, 4, device=DEVICE).stride()

@@ -2,11 +2,12 @@
 
 The pair runs in a vLLM engine with ``mcsd`` drafting plain chains to the
 full depth (``k_config: [1]``, no stopping) and ``collect`` on, greedily, on
-the given prompts; the drafter records every draft row it scores and labels
-it by whether the target committed the draft's top token there (see
-:mod:`vllm_specbeam.methods.mcsd.drafter`). So the stop model learns from the
-very features, draft and runtime it will serve with. Training and the file
-format: :mod:`vllm_specbeam.methods.mcsd.stopping`.
+the given prompts; ``collect`` installs a :class:`StopDataCollector` as the drafter's
+observer (:class:`~vllm_specbeam.methods.mcsd.drafter.ScoreObserver`), which records
+every draft row the drafter scores and labels it by whether the target committed the
+draft's top token there. So the stop model learns from the very features, draft and
+runtime it will serve with. Training and the file format:
+:mod:`vllm_specbeam.methods.mcsd.stopping`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
 from vllm_specbeam.methods.mcsd import stopping
+from vllm_specbeam.methods.mcsd.drafter import McsdDrafter, ScoredRows
 
 #: the collected rows, saved next to the model (``--from-data`` retrains from them)
 DATA_FILE = "stop_data.npz"
@@ -27,6 +33,98 @@ DATA_FILE = "stop_data.npz"
 #: need little, while vLLM 0.32's CPU worker otherwise reserves 92% of the machine's memory and
 #: refuses to start when slightly less is free (v1/worker/cpu_worker.py, ``CPUWorker.__init__``).
 COLLECT_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class StopData:
+    """Scored ``q`` rows with their labels, for training a stop model."""
+
+    features: np.ndarray  # [n, stopping.NUM_FEATURES]
+    labels: np.ndarray  # [n]: 1.0 when the target committed the row's top token
+    depths: np.ndarray  # [n]: the depth of the token drawn from the row (1 = below the root)
+
+
+@dataclass
+class PendingRows:
+    """A request's ``q`` rows scored this step, labelled at its next step."""
+
+    length: int  # committed tokens when drafted
+    paths: list[tuple[int, ...]]  # the tokens from the root to each row's node
+    top: list[int]  # each row's most likely token
+    features: torch.Tensor  # [rows, stopping.NUM_FEATURES]
+
+
+class StopDataCollector:
+    """An ``mcsd`` drafter's observer that labels each scored row at the request's next step:
+    1 when the target committed the row's top token, 0 otherwise; rows off the committed
+    path are dropped (their children were never tested)."""
+
+    def __init__(self) -> None:
+        #: per request: the rows scored at its last step, not labelled yet
+        self.pending: dict[str, PendingRows] = {}
+        self.collected: list[StopData] = []
+
+    def scored(self, rows: Sequence[ScoredRows]) -> None:
+        for scored in rows:
+            top = scored.logits.argmax(dim=-1).tolist()
+            if scored.length is not None:
+                self.pending[scored.req_id] = PendingRows(scored.length, list(scored.paths), top, scored.features)
+            elif scored.req_id in self.pending:
+                pending = self.pending[scored.req_id]
+                pending.paths += scored.paths
+                pending.top += top
+                pending.features = torch.cat([pending.features, scored.features])
+
+    def proposing(self, requests: Sequence[DraftRequest]) -> None:
+        """Label last step's rows of these requests from the tokens committed since."""
+        for request in requests:
+            pending = self.pending.pop(request.req_id, None)
+            if pending is None:
+                continue
+            committed = tuple(int(t) for t in request.token_ids[pending.length :])
+            keep = [
+                i
+                for i, path in enumerate(pending.paths)
+                if len(committed) > len(path) and committed[: len(path)] == path
+            ]
+            if keep:
+                self.collected.append(
+                    StopData(
+                        pending.features[keep].numpy(),
+                        np.asarray([committed[len(pending.paths[i])] == pending.top[i] for i in keep], np.float32),
+                        np.asarray([len(pending.paths[i]) + 1 for i in keep], np.int64),
+                    )
+                )
+
+    def removed(self, req_ids: Sequence[str]) -> None:
+        for req_id in req_ids:
+            self.pending.pop(req_id, None)
+
+    def take(self) -> StopData:
+        """The labelled rows collected so far (and forget them)."""
+        data, self.collected = self.collected, []
+        return StopData(
+            np.concatenate([d.features for d in data]) if data else np.zeros((0, stopping.NUM_FEATURES), np.float32),
+            np.concatenate([d.labels for d in data]) if data else np.zeros(0, np.float32),
+            np.concatenate([d.depths for d in data]) if data else np.zeros(0, np.int64),
+        )
+
+
+def install_collector(drafter: TreeDrafter) -> StopDataCollector:
+    """Collect ``drafter``'s scored rows from now on (the runner's drafter, with ``"collect": true``)."""
+    if not isinstance(drafter, McsdDrafter):
+        raise TypeError(f"collect: only mcsd's drafter scores rows for a stop model, not {type(drafter).__name__}")
+    collector = drafter.observer = StopDataCollector()
+    return collector
+
+
+def take_stop_data(drafter: TreeDrafter) -> dict[str, list]:
+    """The rows ``drafter``'s collector labelled so far, as plain lists (the worker's RPC's answer)."""
+    collector = getattr(drafter, "observer", None)
+    if not isinstance(collector, StopDataCollector):
+        raise RuntimeError('no stop data was collected: start the mcsd engine with "collect": true')
+    data = collector.take()
+    return {"features": data.features.tolist(), "labels": data.labels.tolist(), "depths": data.depths.tolist()}
 
 
 def engine_kwargs(engine_args: str) -> dict:
@@ -88,7 +186,8 @@ def collect(args: argparse.Namespace) -> dict[str, np.ndarray]:
     return data
 
 
-def main(argv: list[str]) -> int:
+def arg_parser() -> argparse.ArgumentParser:
+    """The command's flags."""
     parser = argparse.ArgumentParser(
         prog="vllm-specbeam mcsd train",
         description="Train mcsd's stop model for one target/draft pair; pass the output directory as "
@@ -119,6 +218,11 @@ def main(argv: list[str]) -> int:
         help="more LLM(...) arguments as JSON, e.g. '{\"max_model_len\": 2048}' (the KV cache is "
         f"{COLLECT_KV_CACHE_BYTES >> 30} GiB unless they set kv_cache_memory_bytes or gpu_memory_utilization)",
     )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = arg_parser()
     args = parser.parse_args(argv)
     if not args.prompts and not args.from_data:
         parser.error("give --prompts to collect on (or --from-data to retrain from saved rows)")

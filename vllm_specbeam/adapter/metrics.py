@@ -42,7 +42,7 @@ from vllm_specbeam.adapter.engine_config import plugin_config
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from vllm_specbeam.adapter.runner import TreeCounts
+    from vllm_specbeam.adapter.tree_counts import TreeCounts
     from vllm_specbeam.core.budget import StepCost
 
 #: runner counters (``TreeCounts`` fields) shown as Prometheus counters: field -> (name, help)
@@ -58,7 +58,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Draft-tree nodes verified; over vllm:specbeam_steps_total, the nodes chosen per step.",
     ),
 }
-#: the fitted cost lines by ``line`` label -> the runner stats' prefix (``runner.cost_stats``):
+#: the fitted cost lines by ``line`` label -> the runner stats' prefix (``tree_counts.cost_stats``):
 #: the target's steps with branching trees, with chains alone, its plain steps, the in-worker draft's forwards
 LINES: dict[str, str] = {"tree": "step_cost", "chain": "chain_cost", "plain": "plain_cost", "draft": "draft_cost"}
 #: a line's parts in seconds (``part`` label) -> the ``StepCost`` field; each also has its knee in rows

@@ -20,6 +20,7 @@ from typing_extensions import override
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
+from vllm_specbeam.adapter import mcsd_train
 from vllm_specbeam.adapter.engine_config import V2_RUNNER_PROBLEM
 from vllm_specbeam.adapter.runner import tree_runner_class
 from vllm_specbeam.methods.dsbd.beam_sampling import SamplingLaw
@@ -76,8 +77,7 @@ class TreeWorkerMixin:
 
     def specbeam_take_stop_data(self) -> dict[str, list]:
         """``mcsd``'s labelled draft rows, for ``vllm-specbeam mcsd train`` (plain lists for the RPC)."""
-        data = self.model_runner.tree_drafter.take_collected()  # type: ignore[attr-defined]
-        return {"features": data.features.tolist(), "labels": data.labels.tolist(), "depths": data.depths.tolist()}
+        return mcsd_train.take_stop_data(self.model_runner.tree_drafter)  # type: ignore[attr-defined]
 
     def specbeam_draft_forests(
         self, requests: list[list[Any]], width: int, eos: int | None

@@ -75,23 +75,45 @@ class TreeStep:
             for i, first, ctx, tree in zip(req_indices, first_rows, context_lens, trees)
         ]
         fixes = [fix for fix in fixes if fix[-1].size]
-        num_rows = max((rows.size for *_, rows in fixes), default=0)
-        num_keys = max((ctx + tree.num_nodes + 1 for _, _, ctx, tree, _ in fixes), default=0)
-        query_rows = np.zeros((len(fixes), num_rows), np.int64)
-        row_valid = np.zeros((len(fixes), num_rows), bool)
-        key_mask = np.zeros((len(fixes), num_rows, num_keys), bool)
-        for r, (_, first, ctx, tree, rows) in enumerate(fixes):
-            query_rows[r, : rows.size] = first + rows
-            row_valid[r, : rows.size] = True
-            key_mask[r, : rows.size, :ctx] = True
-            key_mask[r, : rows.size, ctx : ctx + tree.num_nodes + 1] = tree.ancestor_mask[rows]
-        return cls(
-            torch.as_tensor([fix[0] for fix in fixes], dtype=torch.int64),
-            torch.from_numpy(query_rows),
-            torch.from_numpy(row_valid),
-            torch.from_numpy(key_mask),
+        return cls.for_windows(
+            [fix[0] for fix in fixes],
+            [first + rows for _, first, _, _, rows in fixes],
+            [(ctx, tree.ancestor_mask[rows]) for _, _, ctx, tree, rows in fixes],
             node_rows,
             node_positions,
+        )
+
+    @classmethod
+    def for_windows(
+        cls,
+        req_indices: Sequence[int],
+        query_rows: Sequence[np.ndarray],
+        windows: Sequence[tuple[int, np.ndarray]],
+        node_rows: torch.Tensor | None = None,
+        node_positions: torch.Tensor | None = None,
+    ) -> TreeStep:
+        """Rows to recompute: request ``req_indices[r]``'s token rows ``query_rows[r]``, with
+        ``windows[r] = (context, visible)``: each row sees keys ``[0, context)`` and, of the keys
+        from ``context`` on, those ``visible`` ``[rows, keys]`` marks. Without ``node_rows``, no
+        node's position is set (an in-worker draft's rows come with theirs)."""
+        num_rows = max((rows.size for rows in query_rows), default=0)
+        num_keys = max((ctx + visible.shape[1] for ctx, visible in windows), default=0)
+        padded_rows = np.zeros((len(windows), num_rows), np.int64)
+        row_valid = np.zeros((len(windows), num_rows), bool)
+        key_mask = np.zeros((len(windows), num_rows, num_keys), bool)
+        for r, (rows, (ctx, visible)) in enumerate(zip(query_rows, windows)):
+            padded_rows[r, : rows.size] = rows
+            row_valid[r, : rows.size] = True
+            key_mask[r, : rows.size, :ctx] = True
+            key_mask[r, : rows.size, ctx : ctx + visible.shape[1]] = visible
+        empty = torch.zeros(0, dtype=torch.int64)
+        return cls(
+            torch.as_tensor(list(req_indices), dtype=torch.int64),
+            torch.from_numpy(padded_rows),
+            torch.from_numpy(row_valid),
+            torch.from_numpy(key_mask),
+            empty if node_rows is None else node_rows,
+            empty if node_positions is None else node_positions,
         )
 
     def gather_kv(

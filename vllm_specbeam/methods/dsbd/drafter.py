@@ -20,7 +20,7 @@ Draws come from the drafter's one generator, depth by depth (a seed fixes them).
 
 **Lookup branches** (``"lookup": "request" | "global"``): the forest starts below
 ``lookup_tree``'s branches, its first depth without their first tokens, and drafts
-only the nodes they leave, or does not run (:mod:`vllm_specbeam.draft_runtime.lookup`);
+only the nodes they leave, or does not run (:mod:`vllm_specbeam.methods.lookup_tree.branches`);
 the verifier checks lookup nodes as deterministic drafts.
 """
 
@@ -39,7 +39,6 @@ import torch
 from vllm_specbeam.core.config import LOOKUP_OPTIONS, Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
-from vllm_specbeam.draft_runtime import lookup as lookup_branches
 from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.draft_runtime.drafter import (
     DRAFT_MODEL_OPTIONS,
@@ -50,6 +49,7 @@ from vllm_specbeam.draft_runtime.drafter import (
 )
 from vllm_specbeam.methods.dsbd.beam_sampling import SamplingLaw, SparseRows, beam_joint, cut_rows, draw_pairs
 from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
+from vllm_specbeam.methods.lookup_tree import branches as lookup_branches
 
 
 def most_fed(depth: int, max_width: int, max_nodes: int) -> int:
@@ -72,9 +72,10 @@ def fill_shape(max_width: int, depth: int) -> DraftTree:
 
 
 def mixed_forest(request: DraftRequest, lookup: DraftTree, forest: DraftTree) -> BeamForest:
-    """The lookup's nodes, then the forest's below the root (:func:`~vllm_specbeam.draft_runtime.lookup.mixed_tree`),
-    as the :class:`BeamForest` the verifier walks: lookup nodes' ``next_probs`` are zero (the draft
-    never extends them); a forest of lookup nodes only needs no draft rows."""
+    """The lookup's nodes, then the forest's below the root
+    (:func:`~vllm_specbeam.methods.lookup_tree.branches.mixed_tree`), as the :class:`BeamForest` the
+    verifier walks: lookup nodes' ``next_probs`` are zero (the draft never extends them); a forest of
+    lookup nodes only needs no draft rows."""
     options = request.options
     mixed = lookup_branches.mixed_tree(lookup, forest)
     nxt = getattr(forest, "next_probs", None)

@@ -16,10 +16,11 @@ else drafting goes on while some node scores the threshold (Lu et al. 2024; ``au
 
 **Lookup branches** (``"lookup": "global"``, the default, or ``"request"``): the tree
 starts with ``lookup_tree``'s branches and the draft fills what they leave, or does not
-run (:mod:`vllm_specbeam.draft_runtime.lookup`); ``"off"``: the draft alone.
+run (:mod:`vllm_specbeam.methods.lookup_tree.branches`); ``"off"``: the draft alone.
 
-**Stop-model data.** With ``collect`` on, scored ``q`` rows are labelled at the next
-step (did the target commit the row's top token) for ``vllm-specbeam mcsd train``.
+**Stop-model data.** A :class:`ScoreObserver` sees every scored ``q`` row and the tokens
+committed after it: ``vllm-specbeam mcsd train`` installs one with ``collect`` on
+(:mod:`vllm_specbeam.adapter.mcsd_train`); serving runs none.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -38,7 +39,6 @@ from vllm_specbeam.core.config import AUTO, LOOKUP_OPTIONS, Option, SpecbeamConf
 from vllm_specbeam.core.controller import DraftGate, StepLedger, StepPrices, paying_share
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
-from vllm_specbeam.draft_runtime import lookup as lookup_branches
 from vllm_specbeam.draft_runtime.base import DraftRuntime
 from vllm_specbeam.draft_runtime.drafter import (
     DRAFT_MODEL_OPTIONS,
@@ -47,6 +47,7 @@ from vllm_specbeam.draft_runtime.drafter import (
     draft_temperature,
     sampling_probs,
 )
+from vllm_specbeam.methods.lookup_tree import branches as lookup_branches
 from vllm_specbeam.methods.mcsd import stopping
 from vllm_specbeam.methods.mcsd.maths import (
     best_candidates,
@@ -68,23 +69,31 @@ def _shape(k_config: tuple[int, ...], depth: int) -> DraftTree:
     return shape
 
 
-@dataclasses.dataclass
-class StopData:
-    """Scored ``q`` rows with their labels, for training a stop model."""
+@dataclasses.dataclass(frozen=True)
+class ScoredRows:
+    """One request's frontier rows as :meth:`McsdDrafter._score` saw them."""
 
-    features: np.ndarray  # [n, stopping.NUM_FEATURES]
-    labels: np.ndarray  # [n]: 1.0 when the target committed the row's top token
-    depths: np.ndarray  # [n]: the depth of the token drawn from the row (1 = below the root)
-
-
-@dataclasses.dataclass
-class _Scored:
-    """A request's ``q`` rows scored this step, labelled at its next step."""
-
-    length: int  # committed tokens when drafted
+    req_id: str
+    #: the request's committed tokens, for its root row; ``None`` for the rows of deeper levels
+    length: int | None
     paths: list[tuple[int, ...]]  # the tokens from the root to each row's node
-    top: list[int]  # each row's most likely token
+    logits: torch.Tensor  # [rows, V]: the draft's logits at those nodes
     features: torch.Tensor  # [rows, stopping.NUM_FEATURES]
+
+
+class ScoreObserver(Protocol):
+    """What watches the rows the drafter scores and the tokens committed after them: the stop
+    model's training data (:mod:`vllm_specbeam.adapter.mcsd_train` installs one as
+    :attr:`McsdDrafter.observer`)."""
+
+    def proposing(self, requests: Sequence[DraftRequest]) -> None:
+        """A step's requests, before their trees are drafted (the tokens committed since the last)."""
+
+    def scored(self, rows: Sequence[ScoredRows]) -> None:
+        """The frontier rows scored for the requests growing a level."""
+
+    def removed(self, req_ids: Sequence[str]) -> None:
+        """Requests that finished or left the batch."""
 
 
 class _Growth:
@@ -304,9 +313,8 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         super().__init__(options)
         path = self.options.get("stop_model", "")
         self.stop_model = stopping.load_stop_model(path) if path else None
-        self.collect = bool(self.options.get("collect", False))
-        self._scored: dict[str, _Scored] = {}
-        self._collected: list[StopData] = []
+        #: what watches the scored rows (``None``: serving; ``vllm-specbeam mcsd train`` installs one)
+        self.observer: ScoreObserver | None = None
         #: what the runner measured (:meth:`plan_step`); ``None``: drafting unpriced (the threshold decides)
         self.prices: StepPrices | None = None
         #: without lookup branches: the draft's acceptance per depth and rank, learnt from the committed
@@ -334,8 +342,8 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
-        if self.collect:
-            self._label(requests)
+        if self.observer is not None:
+            self.observer.proposing(requests)
         ledger = self._ledger = None if self.prices is None else StepLedger.of(self.prices)
         if self.lookup is None:
             return self._draft_alone(runtime, requests, ledger)
@@ -396,7 +404,7 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         if ledger is not None:
             ledger.unvalued |= not all(g.priced for g in growing)
         scored = None
-        if growing and (self.collect or priced):
+        if growing and (self.observer is not None or priced):
             scored = self._score(growing, [len(r.token_ids) for r, g in zip(requests, growths) if g is not None])
         while growing:
             if ledger is not None and scored is not None:
@@ -424,62 +432,27 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
     def _score(self, growing: list[_Growth], lengths: list[int] | None) -> list[list[list[float]]]:
         """Each request's frontier rows scored, all requests at once (one host sync per depth): per
         row the estimated acceptance of its best token (the stop model's, else q's top probability),
-        then q's next :data:`~.stopping.NUM_TOP` - 1 probabilities. ``lengths``: the root rows, recorded only."""
+        then q's next :data:`~.stopping.NUM_TOP` - 1 probabilities. ``lengths``: the root rows' requests'
+        committed tokens, for the :attr:`observer` only."""
         rows = torch.cat([g.rows for g in growing])  # [frontier rows of all requests, V]
         features = stopping.stop_features(rows)  # [rows, F]
         scores = features[:, 0] if self.stop_model is None else self.stop_model.probability(features)
         counts = [g.rows.shape[0] for g in growing]
-        if self.collect:
-            self._record(growing, features.split(counts), lengths)
+        if self.observer is not None:
+            self.observer.scored(
+                [
+                    ScoredRows(g.req_id, None if lengths is None else lengths[k], g.paths, g.rows, own)
+                    for k, (g, own) in enumerate(zip(growing, features.split(counts)))
+                ]
+            )
         table = torch.cat([scores[:, None], features[:, 1 : stopping.NUM_TOP]], dim=1).tolist()  # host sync
         starts = np.cumsum([0, *counts]).tolist()
         return [table[start:end] for start, end in itertools.pairwise(starts)]
 
-    def _record(self, growing: list[_Growth], features: Sequence[torch.Tensor], lengths: list[int] | None) -> None:
-        for k, (g, rows) in enumerate(zip(growing, features)):
-            top = g.rows.argmax(dim=-1).tolist()
-            if lengths is not None:
-                self._scored[g.req_id] = _Scored(lengths[k], list(g.paths), top, rows)
-            elif g.req_id in self._scored:
-                scored = self._scored[g.req_id]
-                scored.paths += g.paths
-                scored.top += top
-                scored.features = torch.cat([scored.features, rows])
-
-    def _label(self, requests: list[DraftRequest]) -> None:
-        """Label last step's rows of these requests from the tokens committed since."""
-        for request in requests:
-            scored = self._scored.pop(request.req_id, None)
-            if scored is None:
-                continue
-            committed = tuple(int(t) for t in request.token_ids[scored.length :])
-            keep = [
-                i
-                for i, path in enumerate(scored.paths)
-                if len(committed) > len(path) and committed[: len(path)] == path
-            ]
-            if keep:
-                self._collected.append(
-                    StopData(
-                        scored.features[keep].numpy(),
-                        np.asarray([committed[len(scored.paths[i])] == scored.top[i] for i in keep], np.float32),
-                        np.asarray([len(scored.paths[i]) + 1 for i in keep], np.int64),
-                    )
-                )
-
-    def take_collected(self) -> StopData:
-        """The labelled rows collected so far (and forget them)."""
-        data, self._collected = self._collected, []
-        return StopData(
-            np.concatenate([d.features for d in data]) if data else np.zeros((0, stopping.NUM_FEATURES), np.float32),
-            np.concatenate([d.labels for d in data]) if data else np.zeros(0, np.float32),
-            np.concatenate([d.depths for d in data]) if data else np.zeros(0, np.int64),
-        )
-
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
-        for req_id in req_ids:
-            self._scored.pop(req_id, None)
+        if self.observer is not None:
+            self.observer.removed(req_ids)
         if self.lookup is not None:
             self.lookup.remove(req_ids)
         super().remove_requests(req_ids)

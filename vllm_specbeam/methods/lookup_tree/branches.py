@@ -1,19 +1,19 @@
 """Lookup branches in a draft-model method's trees (``"lookup": "request" | "global"``).
 
 Each step a request's tree starts with what ``lookup_tree`` drafts (its drafter,
-request or global scope, reused as is: node kinds 0-2 by match length). The draft
-model drafts below the root, after them, only the nodes they and ``max_nodes``
-leave (:func:`~vllm_specbeam.core.budget.lookup_first`: nodes valued by the
-acceptance per kind, depth and rank that :class:`~vllm_specbeam.core.budget.StepBudget`
-learns from the committed tokens); when they leave none, the draft runs no forward
-that step (``DraftRuntime.defer``) and catches up at its next sync. Its first-level
-tokens exclude the lookup's, so no draft node repeats a lookup sibling. A draft that
-``stop_threshold`` alone left out is tried regardless after 1, 2, 4, 8 such request-steps
-(an engine-wide :class:`~vllm_specbeam.core.budget.BackOff`), since its value is learnt only
-from its tries, which probe with one node (the draft's first, from its sync). The threshold judges the
-fill's first level only; below it, the draft's own stopping rule decides. Either way the draft
-runs only while it lags at most :data:`EXPLORE_MAX_LAG` committed tokens, since it must first
-catch up on them, or on new text (:data:`NEW_TEXT_STEPS` steps without a branch): a request the
+request or global scope, with :attr:`LookupBranches.DEFAULTS` over its own defaults: node
+kinds 0-2 by match length). The draft model drafts below the root, after them, only the
+nodes they and ``max_nodes`` leave (:func:`lookup_first`: nodes valued by the acceptance per
+kind, depth and rank that :class:`~vllm_specbeam.core.budget.StepBudget` learns from the
+committed tokens); when they leave none, the draft runs no forward that step
+(``DraftRuntime.defer``) and catches up at its next sync. Its first-level tokens exclude the
+lookup's, so no draft node repeats a lookup sibling. A draft that ``stop_threshold`` alone left
+out is tried regardless after 1, 2, 4, 8 such request-steps (an engine-wide
+:class:`~vllm_specbeam.core.budget.BackOff`), since its value is learnt only from its tries,
+which probe with one node (the draft's first, from its sync). The threshold judges the fill's
+first level only; below it, the draft's own stopping rule decides. Either way the draft runs
+only while it lags at most :data:`EXPLORE_MAX_LAG` committed tokens, since it must first catch
+up on them, or on new text (:data:`NEW_TEXT_STEPS` steps without a branch): a request the
 lookup serves never feeds its prompt to the draft. The batch's lookup nodes are then cut to
 those that pay for their rows under the runner's fitted step cost (as ``"max_nodes": "auto"``).
 
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -37,11 +37,11 @@ import torch
 from vllm_specbeam.core.budget import (
     FILL_KIND,
     BackOff,
-    LookupShare,
     RequestBudget,
     StepBudget,
+    TreeShape,
     choose_nodes,
-    lookup_first,
+    path_values,
 )
 from vllm_specbeam.core.config import AUTO, TREE_OPTIONS
 from vllm_specbeam.core.controller import DraftGate, StepLedger, StepPrices
@@ -53,8 +53,6 @@ from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 #: most committed tokens the draft may lag behind and still draft (it feeds them first: 32 rows cost about
 #: two one-row forwards on this project's CPU, docs/results/row-cost-epyc)
 EXPLORE_MAX_LAG = 32
-#: ``lookup_tree`` options the lookup branches override (see :class:`LookupBranches`)
-HYBRID_LOOKUP = {"prompt_lookup_min": 2}
 #: consecutive steps without a lookup branch after which the draft catches up however far it lags: the
 #: text is new, and the draft, once caught up, drafts it from then on (one step without a branch is mostly
 #: an edit in copied text, where a catch-up of the whole prompt buys a node or two)
@@ -64,6 +62,73 @@ NEW_TEXT_STEPS = 2
 DraftFill = Callable[[list[DraftRequest], list[int], list[list[int]]], list[DraftTree]]
 #: one request's tree from its lookup tree and the draft model's (empty when it ran no forward)
 Mix = Callable[[DraftRequest, DraftTree, DraftTree], DraftTree]
+
+
+@dataclass(frozen=True)
+class LookupShare:
+    """What :func:`lookup_first` keeps of a step's tree."""
+
+    #: the lookup nodes kept
+    lookup: DraftTree
+    #: their values (:func:`~vllm_specbeam.core.budget.path_values`), in their order
+    values: list[float]
+    #: how many of the fill's first nodes the draft model may add (0: it does not run)
+    fill_nodes: int
+    #: the values of those of them below the root (the draft's first level)
+    fill_first: list[float] = field(default_factory=list)
+
+
+def lookup_first(
+    lookup: DraftTree, fill: DraftTree, budget: int, rates: np.ndarray, min_value: float = 0.0
+) -> LookupShare:
+    """Lookup branches first, ``fill`` (the largest tree a draft model may grow below the root,
+    its nodes drafted in order) gets what they leave: the lookup nodes kept with their values,
+    and how many of ``fill``'s first nodes to draft.
+
+    Both hang from the root as :func:`mixed_tree` joins them, and every node is valued by
+    :func:`~vllm_specbeam.core.budget.path_values` under ``rates``
+    (:meth:`~vllm_specbeam.core.budget.StepBudget.rates`). The ``budget`` most valuable nodes
+    are kept, ties to the lookup's; a fill node below the root worth less than ``min_value``
+    (0: none is) is never kept, nor are its descendants. Deeper fill nodes are not held to
+    ``min_value``: the draft model's own stopping rule judges them token by token, and their
+    learnt values never get trials if a cell left at its prior cuts them. 0 (the lookup alone
+    fills the budget with nodes valued above the fill's, or the fill is worth too little): the
+    draft model does not run.
+    Example: at rate 0.9 for lookup and 0.6 for fill nodes everywhere, budget 3, a 2-node
+    lookup chain (0.9, 0.81) and a fill chain (0.6, 0.36): the lookup chain and 1 fill node;
+    with ``min_value`` 0.7, no fill node; with ``min_value`` 0.5 and budget 4, both fill nodes.
+    """
+    both = mixed_tree(lookup, fill)
+    parents = both.parents  # [nodes]
+    values = np.asarray(path_values(TreeShape.of(both), rates))  # [nodes]
+    for node in range(lookup.num_nodes, both.num_nodes):  # parents come first: one pass cuts whole branches
+        parent = int(parents[node])
+        if (values[node] < min_value) if parent == ROOT else values[parent] == -np.inf:
+            values[node] = -np.inf
+    best = np.argsort(-values, kind="stable")[:budget]  # ties to the earlier node: the lookup's, a parent
+    best = best[np.isfinite(values[best])]
+    kept = np.zeros(lookup.num_nodes, bool)  # [lookup nodes]: a parent is never worth less than its child
+    kept[best[best < lookup.num_nodes]] = True
+    drafted = best[best >= lookup.num_nodes]  # [fill nodes kept]
+    return LookupShare(
+        lookup.keep(kept),
+        values[: lookup.num_nodes][kept].tolist(),
+        int(drafted.size),
+        values[drafted[parents[drafted] == ROOT]].tolist(),
+    )
+
+
+def lookup_alone(lookup: DraftTree, budget: int, rates: np.ndarray) -> LookupShare:
+    """The ``budget`` most valuable lookup nodes, and no room for the draft model."""
+    return lookup_first(lookup, DraftTree.empty(), budget, rates)
+
+
+def fill_threshold(options: Mapping[str, Any], auto_threshold: float | None) -> float:
+    """The least value of the fill's first-level nodes: ``stop_threshold``, ``auto_threshold`` for
+    ``"auto"``; 0 (none) without one (a method without a stopping threshold, dsbd, drafts every
+    fill node the budget leaves)."""
+    threshold = options.get("stop_threshold", 0.0)
+    return (auto_threshold or 0.0) if threshold == AUTO else float(threshold)
 
 
 @dataclass(frozen=True)
@@ -86,19 +151,20 @@ class LookupSplit:
 class LookupBranches:
     """A draft-model drafter's lookup source and the acceptance learnt per node kind."""
 
+    #: per scope, the lookup options over ``lookup_tree``'s own defaults that the draft-model methods
+    #: were measured with: matches of two tokens or more (one-token matches find a branch almost every
+    #: step, and the draft catches up on new text only after steps without one), the global scope as
+    #: deep as its match is long
+    DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "request": {"prompt_lookup_min": 2},
+        "global": {"prompt_lookup_min": 2, "depth_factor": 1.0},
+    }
+
     def __init__(self, options: Mapping[str, Any]) -> None:
         scope = "global" if options["lookup"] == "global" else "request"
-        lookup = {key: spec.default for key, spec in {**TREE_OPTIONS, **LookupTreeDrafter.OPTIONS}.items()}
-        lookup.update(
-            LookupTreeDrafter.defaults_for({"scope": scope}), scope=scope, index_isolation=options["index_isolation"]
-        )
-        # the branches the draft-model methods were measured with: matches of two tokens or more (one-token
-        # matches find a branch almost every step, and the draft catches up on new text only after steps
-        # without one), the global scope as deep as its match is long
-        lookup.update(HYBRID_LOOKUP if scope == "request" else {**HYBRID_LOOKUP, "depth_factor": 1.0})
         #: the engine-wide options of the lookup drafter (depth and node budget set per request)
-        self.options = lookup
-        self.drafter = LookupTreeDrafter(lookup)
+        self.options = self.lookup_options(scope, options["index_isolation"])
+        self.drafter = LookupTreeDrafter(self.options)
         #: acceptance per (kind, depth, rank), learnt from the committed tokens (no step cost: never pruned by it)
         self.values = StepBudget()
         #: how long a draft the threshold left out waits before it is tried regardless (engine-wide)
@@ -116,6 +182,14 @@ class LookupBranches:
         #: which requests a priced draft drafts for (:meth:`propose` given a ledger)
         self.gate = DraftGate()
 
+    @classmethod
+    def lookup_options(cls, scope: str, index_isolation: str) -> dict[str, Any]:
+        """The lookup drafter's options: ``lookup_tree``'s defaults for ``scope``, then :attr:`DEFAULTS`."""
+        options = {key: spec.default for key, spec in {**TREE_OPTIONS, **LookupTreeDrafter.OPTIONS}.items()}
+        options.update(LookupTreeDrafter.defaults_for({"scope": scope}), scope=scope, index_isolation=index_isolation)
+        options.update(cls.DEFAULTS[scope])
+        return options
+
     def request(self, request: DraftRequest) -> DraftRequest:
         """``request`` with the lookup drafter's options."""
         options = request.options
@@ -128,55 +202,70 @@ class LookupBranches:
     def split(
         self, requests: Sequence[DraftRequest], fills: Sequence[DraftTree], auto_threshold: float | None = None
     ) -> list[LookupSplit]:
-        """Per request: its lookup nodes and the draft's room (``fill``: the largest tree the draft
-        could grow; its first level held to ``stop_threshold``, ``auto_threshold`` for ``"auto"``,
-        or, with ``None``, to nothing: :meth:`priced` decides), then the batch's lookup nodes cut
-        to those that pay for their rows
-        (:func:`~vllm_specbeam.core.budget.choose_nodes` under :attr:`prices`, as ``lookup_tree``'s
-        ``"max_nodes": "auto"``; the fill's rows are counted as fixed)."""
+        """Per request: its lookup nodes and the draft's room (:meth:`share`; ``fill``: the largest
+        tree the draft could grow; its first level held to ``stop_threshold``, ``auto_threshold`` for
+        ``"auto"``, or, with ``None``, to nothing: :meth:`priced` decides), then the batch's lookup
+        nodes cut to those that pay for their rows (:meth:`cut_to_step_cost`)."""
         found = self.drafter.propose([self.request(r) for r in requests])
         engine = self.values.engine_rates()
-        out: list[LookupShare] = []
-        for request, lookup, fill in zip(requests, found, fills):
-            tokens = request.token_ids
-            state = self.values.requests.setdefault(request.req_id, RequestBudget())
-            if state.drafted is not None:
-                committed = tokens[state.drafted_at :].tolist()
-                if committed and state.drafted.kinds is not None and FILL_KIND in state.drafted.kinds:
-                    self.fill_rest.after(paid=fill_paid(state.drafted, committed))
-                self.values.observe_committed(request.req_id, committed, tokens.size)
-            rates = self.values.rates(request.req_id, engine)
-            # a method without a stopping threshold (dsbd) drafts every fill node the budget leaves
-            min_value = request.options.get("stop_threshold", 0.0)
-            if min_value == AUTO:
-                min_value = auto_threshold or 0.0
-            budget = request.options["max_nodes"]
-            split = lookup_first(lookup, fill, budget, rates, min_value)
-            missed = self.without_lookup[request.req_id] = (
-                self.without_lookup.get(request.req_id, 0) + 1 if lookup.num_nodes == 0 else 0
-            )
-            # a draft that lags far first feeds what it lags (at a request's start, its whole prompt),
-            # which pays only on new text: one step without a branch is mostly an edit in copied text
-            may_catch_up = (
-                tokens.size - self.drafted_at.get(request.req_id, 0) <= EXPLORE_MAX_LAG or missed >= NEW_TEXT_STEPS
-            )
-            if split.fill_nodes == 0 and min_value > 0:
-                # the fill's value is learnt only from its tries: one the threshold alone leaves out
-                # is tried regardless on a back-off, else a value once below it stays there
-                waived = lookup_first(lookup, fill, budget, rates, 0.0)
-                if waived.fill_nodes > 0 and self.fill_rest.allows() and may_catch_up:
-                    # a probe: its first node, from the sync's logits (no extend)
-                    split = dataclasses.replace(waived, fill_nodes=1)
-            elif split.fill_nodes > 0 and not may_catch_up:
-                split = lookup_first(lookup, fill, budget, rates, np.inf)  # the lookup's branches alone
-            out.append(split)
-        lookups = [share.lookup for share in out]
+        shares = [
+            self.share(request, lookup, fill, self.judged_rates(request, engine), auto_threshold)
+            for request, lookup, fill in zip(requests, found, fills)
+        ]
+        return self.cut_to_step_cost(shares)
+
+    def judged_rates(self, request: DraftRequest, engine_rates: np.ndarray) -> np.ndarray:
+        """``request``'s acceptance rates, once its last tree is judged by the tokens committed since
+        (and the fill's back-off told whether they walked through one of its nodes)."""
+        tokens = request.token_ids
+        state = self.values.requests.setdefault(request.req_id, RequestBudget())
+        if state.drafted is not None:
+            committed = tokens[state.drafted_at :].tolist()
+            if committed and state.drafted.kinds is not None and FILL_KIND in state.drafted.kinds:
+                self.fill_rest.after(paid=fill_paid(state.drafted, committed))
+            self.values.observe_committed(request.req_id, committed, tokens.size)
+        return self.values.rates(request.req_id, engine_rates)
+
+    def share(
+        self, request: DraftRequest, lookup: DraftTree, fill: DraftTree, rates: np.ndarray, auto: float | None
+    ) -> LookupShare:
+        """One request's lookup nodes and the draft's room (:func:`lookup_first`, the fill held to
+        :func:`fill_threshold`); a fill the threshold alone leaves out probes on the back-off, and a
+        draft that may not catch up (:meth:`may_catch_up`) leaves the lookup alone."""
+        budget = request.options["max_nodes"]
+        threshold = fill_threshold(request.options, auto)
+        share = lookup_first(lookup, fill, budget, rates, threshold)
+        may_catch_up = self.may_catch_up(request, branched=lookup.num_nodes > 0)
+        if share.fill_nodes == 0 and threshold > 0:
+            # the fill's value is learnt only from its tries: one the threshold alone leaves out
+            # is tried regardless on a back-off, else a value once below it stays there
+            waived = lookup_first(lookup, fill, budget, rates)
+            if waived.fill_nodes > 0 and self.fill_rest.allows() and may_catch_up:
+                return dataclasses.replace(waived, fill_nodes=1)  # a probe: its first node, from the sync's logits
+        elif share.fill_nodes > 0 and not may_catch_up:
+            return lookup_alone(lookup, budget, rates)
+        return share
+
+    def may_catch_up(self, request: DraftRequest, branched: bool) -> bool:
+        """Whether the draft may run for ``request`` this step (``branched``: the lookup found a branch).
+        A draft that lags far first feeds what it lags (at a request's start, its whole prompt), which
+        pays only on new text: one step without a branch is mostly an edit in copied text."""
+        missed = 0 if branched else self.without_lookup.get(request.req_id, 0) + 1
+        self.without_lookup[request.req_id] = missed
+        lag = request.token_ids.size - self.drafted_at.get(request.req_id, 0)
+        return lag <= EXPLORE_MAX_LAG or missed >= NEW_TEXT_STEPS
+
+    def cut_to_step_cost(self, shares: Sequence[LookupShare]) -> list[LookupSplit]:
+        """The batch's lookup nodes that pay for their rows
+        (:func:`~vllm_specbeam.core.budget.choose_nodes` under :attr:`prices`, as ``lookup_tree``'s
+        ``"max_nodes": "auto"``; the fill's rows are counted as fixed); all of them before a step was timed."""
+        lookups = [share.lookup for share in shares]
         masks = [np.ones(tree.num_nodes, bool) for tree in lookups]
         step = self.prices.step
         if step is not None:
             batch = self.prices.batch_size
-            rows = batch + sum(share.fill_nodes for share in out)
-            masks = choose_nodes(lookups, [share.values for share in out], batch, rows, step)
+            rows = batch + sum(share.fill_nodes for share in shares)
+            masks = choose_nodes(lookups, [share.values for share in shares], batch, rows, step)
         return [
             LookupSplit(
                 tree.keep(mask),
@@ -185,7 +274,7 @@ class LookupBranches:
                 float(np.asarray(share.values)[mask].sum()),
                 tuple(share.fill_first),
             )
-            for tree, mask, share in zip(lookups, masks, out)
+            for tree, mask, share in zip(lookups, masks, shares)
         ]
 
     def priced(
