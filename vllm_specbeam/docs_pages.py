@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_specbeam.adapter import patches
-from vllm_specbeam.core.config import AUTO, METHODS, VLLM_KEYS, Option
+from vllm_specbeam.core.config import AUTO, METHODS, VLLM_KEYS, Method, Option
 
 REGENERATE = "python -m vllm_specbeam.docs_pages"
 
@@ -66,38 +66,43 @@ def render_options() -> str:
         "Methods: " + ", ".join(f"[`{name}`](#{name})" for name in METHODS) + ".",
     ]
     for name, method in METHODS.items():
-        drafter = method.drafter_class()
-        capped = {"num_speculative_tokens", "max_nodes", *drafter.CAPPED_BY_ENGINE}
-        draft = (
-            'required: `"model"`, the draft model (directory or hub name; same tokenizer as the target)'
-            if method.needs_draft_model
-            else 'none (`"model"` is refused)'
-        )
-        lines += [
-            "",
-            f"## {name}",
-            "",
-            f"Draft model: {draft}. vLLM keys: {', '.join(f'`{key}`' for key in VLLM_KEYS)}.",
-            "",
-            "| option | default | range | per request | meaning |",
-            "|---|---|---|---|---|",
-        ]
-        options = method.options()
-        # the defaults with nothing set (mcsd's default lookup gives its trees room)
-        plain = {key: option.default for key, option in options.items()}
-        unset = plain | drafter.defaults_for({})
-        for key, option in options.items():
-            per_request = "no" if not option.per_request else "lower only" if key in capped else "yes"
-            default = _value(unset[key])
-            lines.append(f"| `{key}` | {default} | {_range(option)} | {per_request} | {_cell(option.help)} |")
-        for key, option in options.items():
-            for choice in option.choices or ():
-                chosen = plain | drafter.defaults_for({key: choice})
-                changed = {k: v for k, v in chosen.items() if v != unset[k]}
-                if changed:
-                    values = ", ".join(f"`{k}` {_value(v)}" for k, v in changed.items())
-                    lines += ["", f'With `"{key}": {json.dumps(choice)}` the defaults become: {values} (unless set).']
+        lines += _method_options(name, method)
     return "\n".join(lines) + "\n"
+
+
+def _method_options(name: str, method: Method) -> list[str]:
+    """One method's section of docs/options.md: its table, then the defaults each choice changes."""
+    drafter = method.drafter_class()
+    capped = {"num_speculative_tokens", "max_nodes", *drafter.CAPPED_BY_ENGINE}
+    draft = (
+        'required: `"model"`, the draft model (directory or hub name; same tokenizer as the target)'
+        if method.needs_draft_model
+        else 'none (`"model"` is refused)'
+    )
+    lines = [
+        "",
+        f"## {name}",
+        "",
+        f"Draft model: {draft}. vLLM keys: {', '.join(f'`{key}`' for key in VLLM_KEYS)}.",
+        "",
+        "| option | default | range | per request | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    options = method.options()
+    # the defaults with nothing set (mcsd's default lookup gives its trees room)
+    plain = {key: option.default for key, option in options.items()}
+    unset = plain | drafter.defaults_for({})
+    for key, option in options.items():
+        per_request = "no" if not option.per_request else "lower only" if key in capped else "yes"
+        lines.append(f"| `{key}` | {_value(unset[key])} | {_range(option)} | {per_request} | {_cell(option.help)} |")
+    for key, option in options.items():
+        for choice in option.choices or ():
+            chosen = plain | drafter.defaults_for({key: choice})
+            changed = {k: v for k, v in chosen.items() if v != unset[k]}
+            if changed:
+                values = ", ".join(f"`{k}` {_value(v)}" for k, v in changed.items())
+                lines += ["", f'With `"{key}": {json.dumps(choice)}` the defaults become: {values} (unless set).']
+    return lines
 
 
 def render_patches() -> str:

@@ -70,17 +70,8 @@ def is_carrier(speculative_config: SpeculativeConfig) -> bool:
     return speculative_config.method == "custom_class" and speculative_config.model == DRAFTER_HOST
 
 
-def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig, config: SpecbeamConfig) -> None:
-    """Make the engine run ``config``'s plugin method: the tree runner's worker, the
-    plugin's scheduler (unless another was set; then no index partitioned by salt),
-    and on CUDA the tree attention backend outside CUDA graphs.
-
-    Called for plugin methods only, from the speculative-config patch, which
-    vLLM 0.32.0 engine/arg_utils.py ``EngineArgs.create_engine_config`` runs
-    *after* building ``parallel_config`` (so ``EngineArgs.worker_cls`` has
-    been read: the config object is set) and *before* it reads
-    ``attention_backend`` / ``attention_config`` and ``compilation_config``.
-    """
+def _plugin_worker(worker_cls: object) -> str:
+    """The plugin's worker for this platform, refusing the V2 runner and another ``worker_cls``."""
     import vllm.envs as envs
     from vllm.platforms import current_platform
 
@@ -97,14 +88,29 @@ def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig, c
             f"vllm-specbeam verifies trees on vLLM's CPU backend and on CUDA GPUs, not on "
             f"{current_platform.device_name}; use vLLM's built-in speculative methods there"
         )
-    if parallel_config.worker_cls not in ("auto", worker):
-        chosen = parallel_config.worker_cls
+    if worker_cls not in ("auto", worker):
         raise SpecbeamConfigError(
             f"vllm-specbeam methods run in the plugin's worker ({worker}), but worker_cls="
-            f"{chosen if isinstance(chosen, str) else 'a class object'} was set; remove --worker-cls / worker_cls "
-            f"(worker_extension_cls adds methods to any worker, this one included)"
+            f"{worker_cls if isinstance(worker_cls, str) else 'a class object'} was set; remove --worker-cls / "
+            f"worker_cls (worker_extension_cls adds methods to any worker, this one included)"
         )
-    parallel_config.worker_cls = worker
+    return worker
+
+
+def configure_engine(engine_args: EngineArgs, parallel_config: ParallelConfig, config: SpecbeamConfig) -> None:
+    """Make the engine run ``config``'s plugin method: the tree runner's worker, the
+    plugin's scheduler (unless another was set; then no index partitioned by salt),
+    and on CUDA the tree attention backend outside CUDA graphs.
+
+    Called for plugin methods only, from the speculative-config patch, which
+    vLLM 0.32.0 engine/arg_utils.py ``EngineArgs.create_engine_config`` runs
+    *after* building ``parallel_config`` (so ``EngineArgs.worker_cls`` has
+    been read: the config object is set) and *before* it reads
+    ``attention_backend`` / ``attention_config`` and ``compilation_config``.
+    """
+    from vllm.platforms import current_platform
+
+    parallel_config.worker_cls = _plugin_worker(parallel_config.worker_cls)
     if engine_args.scheduler_cls is None:
         # read after this patch, into SchedulerConfig (vLLM 0.32.0 EngineArgs.create_engine_config)
         engine_args.scheduler_cls = SCHEDULER

@@ -278,6 +278,32 @@ def _launch_config(query_heads_per_kv: int, head_size: int, max_query_len: int) 
     }
 
 
+def _checked_tree_mask(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    tree_base: torch.Tensor | None,
+) -> torch.Tensor:
+    """The launch's tree mask (all-causal when ``None``), once the layouts the kernel reads are checked."""
+    num_heads, head_size = q.shape[1], q.shape[2]
+    num_kv_heads, cache_head_size = key_cache.shape[2], key_cache.shape[3]
+    assert value_cache.shape == key_cache.shape and cache_head_size == head_size
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert key_cache.dtype == value_cache.dtype == q.dtype, "quantized KV caches are not supported"
+    assert q.stride(-1) == out.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
+    if tree_mask is None:
+        tree_mask = torch.zeros(q.shape[0], 1, dtype=torch.int64, device=q.device)  # [num_tokens, 1]
+    assert tree_mask.dtype == torch.int64 and tree_mask.stride(-1) == 1
+    assert tree_mask.shape[0] == q.shape[0], "tree_mask needs one row per query row"
+    if tree_base is not None:
+        assert tree_base.dtype == torch.int32 and tree_base.shape == seq_lens.shape
+        assert tree_base.device == seq_lens.device
+    return tree_mask
+
+
 def tree_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -325,18 +351,8 @@ def tree_attention(
         )  # fmt: skip
     num_reqs = seq_lens.shape[0]
     num_heads, head_size = q.shape[1], q.shape[2]
-    _num_blocks, block_size, num_kv_heads, cache_head_size = key_cache.shape
-    assert value_cache.shape == key_cache.shape and cache_head_size == head_size
-    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert key_cache.dtype == value_cache.dtype == q.dtype, "quantized KV caches are not supported"
-    assert q.stride(-1) == out.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
-    if tree_mask is None:
-        tree_mask = torch.zeros(q.shape[0], 1, dtype=torch.int64, device=q.device)
-    assert tree_mask.dtype == torch.int64 and tree_mask.stride(-1) == 1
-    assert tree_mask.shape[0] == q.shape[0], "tree_mask needs one row per query row"
-    if tree_base is not None:
-        assert tree_base.dtype == torch.int32 and tree_base.shape == seq_lens.shape
-        assert tree_base.device == seq_lens.device
+    _num_blocks, block_size, num_kv_heads, _head_size = key_cache.shape
+    tree_mask = _checked_tree_mask(q, key_cache, value_cache, out, seq_lens, tree_mask, tree_base)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_reqs else 0
     if num_reqs == 0 or max_query_len == 0:
