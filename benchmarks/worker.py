@@ -126,7 +126,7 @@ class Engine:
         values = {key: snapshot[name] for key, name in SPEC_COUNTERS.items() if name in snapshot}
         stats = self.llm.collective_rpc(_read_tree_stats)[0]
         if stats is not None:
-            from vllm_specbeam.adapter.runner import STATE_BYTES
+            from vllm_specbeam.adapter.tree_counts import STATE_BYTES
 
             self.state_bytes = stats.pop(STATE_BYTES)
             counters, costs = tree_counters(stats)

@@ -396,31 +396,6 @@ def test_per_request_budget_overrides():
 
 
 # ------------------------------------------------------------------ engines
-class _FixedCost(StepCostModel):
-    """A cost line that ignores the steps: what a machine with very dear rows would fit."""
-
-    def __init__(self, line: StepCost) -> None:
-        super().__init__()
-        self.line = line
-
-    def fitted(self) -> StepCost:
-        return self.line
-
-
-def _plant_cost(worker, intercept: float | None = None, slope: float = 0.0, branches: float = 0.0) -> None:
-    """In the worker: fix the budget's cost lines, steps with chains alone and plain steps
-    costing what the line says, steps whose trees branch ``branches`` seconds more (``None``:
-    fit them all again from the steps). Plain floats travel: vLLM's RPC serialises a
-    dataclass into a dict."""
-    budget = worker.model_runner.budget
-    line = None if intercept is None else StepCost(intercept, slope)
-    tree = None if intercept is None else StepCost(intercept + branches, slope)
-    budget.cost_model = StepCostModel() if tree is None else _FixedCost(tree)
-    budget.chain_model = StepCostModel() if line is None else _FixedCost(line)
-    budget.plain_model = StepCostModel() if line is None else _FixedCost(line)
-    budget.cost, budget.chain_cost, budget.plain_cost = tree, line, line
-
-
 @pytest.mark.parametrize("config", [LOOKUP_AUTO, ADED_AUTO], ids=["lookup_tree", "aded"])
 def test_auto_budget_greedy_equals_no_speculation(engines, prompts, reference, config):
     llm = engines.get(config)

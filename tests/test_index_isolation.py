@@ -88,7 +88,7 @@ def test_a_mixed_load_of_salts_stays_within_index_tokens(engines) -> None:
     """Ten prompts (about 1,400 tokens with their answers) under three salts and none, into an
     index of 1,000 tokens: the runner's stats show the partitions held, their tokens (all of
     them: at most four partitions) within the cap, and the evictions it took."""
-    from vllm_specbeam.adapter.runner import STATE_BYTES
+    from vllm_specbeam.adapter.tree_counts import STATE_BYTES
 
     spec = {**LOOKUP_GLOBAL, "index_tokens": 1000}
     llm = engines.get(spec)

@@ -43,7 +43,7 @@ from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.adapter.metrics import RunnerMetrics
 from vllm_specbeam.adapter.step_selection import finished_request
 from vllm_specbeam.adapter.step_timing import fitted_lines, same_on_every_rank
-from vllm_specbeam.adapter.tree_counts import TreeCounts, lines_stats
+from vllm_specbeam.adapter.tree_counts import STATE_BYTES, TreeCounts, lines_stats
 from vllm_specbeam.adapter.verification import Accepted, StepTree, TreeVerification
 from vllm_specbeam.core.budget import StepCost, StepCostModel
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig
@@ -62,9 +62,6 @@ if TYPE_CHECKING:
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_specbeam.adapter.attention.cuda import GpuTreeStep
-
-#: key of :attr:`TreeRunnerMixin.tree_stats` for the drafter's cross-request memory
-STATE_BYTES = "drafter_state_bytes"
 
 
 class DrafterHost:

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 from vllm_specbeam.core.budget import StepCost
 
+#: key of :attr:`.runner.TreeRunnerMixin.tree_stats` for the drafter's cross-request memory
+STATE_BYTES = "drafter_state_bytes"
+
 
 @dataclass
 class TreeCounts:
