@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vllm_specbeam.adapter.step_selection import (
     BatchRequest,
     DraftAsk,
@@ -53,13 +55,17 @@ class TreeDrafting:
         #: whether the batch drafts at all (exact methods: lossy ones draft what their output means)
         self.switch = Switch() if self.budget is not None and method.exact else None
 
-    def observe_committed(self, batch: Sequence[BatchRequest], sampled_token_ids: list[list[int]]) -> None:
-        """Tell the budget each request's committed tokens, from which it learns its acceptance."""
+    def observe_committed(
+        self, req_ids: Sequence[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray
+    ) -> None:
+        """Tell the budget each request's committed tokens (``num_tokens``: each batch row's length
+        after them), from which it learns its acceptance; read from vLLM's arrays, so a step that
+        drafts nothing builds no per-request records."""
         if self.budget is None:
             return
-        for request, sampled in zip(batch, sampled_token_ids):
+        for index, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             if sampled:
-                self.budget.observe_committed(request.req_id, sampled, request.token_ids.size)
+                self.budget.observe_committed(req_id, sampled, int(num_tokens[index]))
 
     def drafts_this_step(self, req_ids: Sequence[str]) -> bool:
         """Whether this step asks the drafter at all (:class:`~vllm_specbeam.core.controller.Switch`).

@@ -429,12 +429,12 @@ class TreeRunnerMixin:
         from vllm.v1.outputs import DraftTokenIds
 
         req_ids = self.input_batch.req_ids
-        batch = batch_requests(self.input_batch, self.requests, sampled_token_ids)
-        self.drafting.observe_committed(batch, sampled_token_ids)
+        self.drafting.observe_committed(req_ids, sampled_token_ids, self.input_batch.num_tokens_no_spec)
         if not self.drafting.drafts_this_step(req_ids):
             if self.draft_runtime is not None:
                 self.draft_runtime.defer(req_ids)
             return [[] for _ in req_ids]
+        batch = batch_requests(self.input_batch, self.requests, sampled_token_ids)
         proposal = self.drafting.propose(batch, self.vllm_config.model_config.max_model_len, self.draft_cost)
         self._proposed.update(proposal.trees)
         self._step_drafts = DraftTokenIds(list(req_ids), proposal.drafts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from vllm_specbeam.adapter.tree_counts import TreeCounts
 from vllm_specbeam.core.budget import StepBudget, StepCost
@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+#: one cost line or a tuple of them, as :func:`same_on_every_rank` broadcasts them
+LinesT = TypeVar("LinesT")
 
 #: the step budget refits its cost line (and shares it across tensor-parallel ranks) every this many timed steps
 BUDGET_REFIT_STEPS = 16
@@ -49,15 +52,15 @@ def decode_step(scheduler_output: SchedulerOutput, now: float) -> TimedStep | No
     return TimedStep(rows, now, plain=drafts == 0) if decoding and rows > 0 else None
 
 
-def same_on_every_rank(cost: StepCost | None) -> StepCost | None:
-    """Rank 0's cost line (the target's or the draft's) on every tensor-parallel rank: each
-    rank drafts and prunes for itself, and they must keep the same nodes. (vLLM 0.32.0
-    vllm/distributed/parallel_state.py: ``get_tp_group``,
+def same_on_every_rank(lines: LinesT) -> LinesT:
+    """Rank 0's cost lines (the target's or the draft's) on every tensor-parallel rank, in one
+    broadcast: each rank drafts and prunes for itself, and they must keep the same nodes.
+    (vLLM 0.32.0 vllm/distributed/parallel_state.py: ``get_tp_group``,
     ``GroupCoordinator.broadcast_object``.)"""
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
-    return cost if group.world_size == 1 else group.broadcast_object(cost, src=0)
+    return lines if group.world_size == 1 else group.broadcast_object(lines, src=0)
 
 
 def fitted_lines(budget: StepBudget | None, draft_cost: StepCost | None) -> dict[str, StepCost | None]:
@@ -101,9 +104,8 @@ class StepTimer:
             self.timed_steps += 1
             refit = self.timed_steps % BUDGET_REFIT_STEPS == 1
             if refit:
-                budget.cost = same_on_every_rank(budget.cost_model.fitted())
-                budget.chain_cost = same_on_every_rank(budget.chain_model.fitted())
-                budget.plain_cost = same_on_every_rank(budget.plain_model.fitted())
+                fitted = (budget.cost_model.fitted(), budget.chain_model.fitted(), budget.plain_model.fitted())
+                budget.cost, budget.chain_cost, budget.plain_cost = same_on_every_rank(fitted)
         self.timed = decode_step(scheduler_output, now)
         return refit
 
