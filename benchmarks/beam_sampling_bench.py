@@ -11,7 +11,11 @@ timed run starts on an empty prefix cache (``benchmarks/worker.py``'s ``fresh_st
 
 Quality: the mean target log-likelihood per token of each prompt's best beam (the
 beams' own cumulative raw logprobs, the target's) and, with ``--execute-code`` on
-HumanEval, the best beam's pass@1 (``benchmarks/report.py``'s ``pass_rates``).
+HumanEval, the best beam's pass@1 (``benchmarks/report.py``'s ``humaneval_checks``)
+with its paired difference from the reference's and that difference's standard error
+over problems (the noise: both samplers draw from one law, so only sampling separates
+them). ``--samplers ... multinomial`` adds plain sampling at the same law (vLLM's
+``generate``, ``n`` = 1; the width does not apply), the floor beam sampling should beat.
 Speculative rows also give target passes' steps per round and the accepted pairs
 per depth per prompt-round.
 
@@ -35,6 +39,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import the pack
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -48,7 +53,7 @@ from benchmarks.plan import BEAM_ENGINE
 from benchmarks.processes import add_intel_openmp_option, failure_line, set_engine_environment
 from benchmarks.prompts import BUILTIN, load_prompts
 
-SAMPLERS = ("reference", "speculative")
+SAMPLERS = ("reference", "speculative", "multinomial")
 
 
 @dataclass(frozen=True)
@@ -114,8 +119,9 @@ def sample(llm: Any, job: RoundJob, scenario: Scenario, sampler: str, prompt_ids
     from vllm_specbeam.adapter.beam_sampling import BeamSampling, BeamSamplingParams, SpeculativeBeamSampling
 
     fresh_start(llm)
-    runner = SpeculativeBeamSampling(llm) if sampler == "speculative" else BeamSampling(llm)
-    best = []
+    runner = {"speculative": SpeculativeBeamSampling, "reference": BeamSampling, "multinomial": MultinomialSampling}
+    answer = runner[sampler](llm)
+    best: list[Sampled] = []
     started = time.perf_counter()
     for first in range(0, len(prompt_ids), scenario.batch_size):
         batch = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids[first : first + scenario.batch_size]]
@@ -128,26 +134,67 @@ def sample(llm: Any, job: RoundJob, scenario: Scenario, sampler: str, prompt_ids
             ignore_eos=job.ignore_eos,
             seed=job.seed + first,
         )
-        best += [output.sequences[0] for output in runner.run(batch, params)]
+        best += answers(answer, batch, params)
     wall = time.perf_counter() - started
-    generated = [beam.tokens[len(ids) :] for beam, ids in zip(best, prompt_ids)]
     tokenizer = llm.get_tokenizer()
     record: dict[str, Any] = {
         "sampler": sampler,
         "width": scenario.width,
         "batch_size": scenario.batch_size,
         "wall_s": wall,
-        "output_tokens": sum(map(len, generated)),
-        "loglik_per_token": [beam.cum_logprob / max(len(out), 1) for beam, out in zip(best, generated)],
-        "texts": [tokenizer.decode(out, skip_special_tokens=True) for out in generated],
+        "output_tokens": sum(len(s.tokens) for s in best),
+        "loglik_per_token": [s.cum_logprob / max(len(s.tokens), 1) for s in best],
+        "texts": [tokenizer.decode(s.tokens, skip_special_tokens=True) for s in best],
     }
-    if isinstance(runner, SpeculativeBeamSampling):
+    if isinstance(answer, SpeculativeBeamSampling):
         record.update(
-            prompt_rounds=runner.stats.prompt_rounds,
-            steps=runner.stats.steps,
-            accepted_per_depth=runner.sampling_stats.accepted_per_depth,
+            prompt_rounds=answer.stats.prompt_rounds,
+            steps=answer.stats.steps,
+            accepted_per_depth=answer.sampling_stats.accepted_per_depth,
         )
     return record
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One prompt's answer: the best beam's (or the one sample's) new tokens and their target log-likelihood."""
+
+    tokens: list[int]
+    cum_logprob: float
+
+
+def answers(sampler: Any, batch: list[Any], params: Any) -> list[Sampled]:
+    """Each prompt's best beam, without its prompt; a plain sampler's own answers."""
+    if isinstance(sampler, MultinomialSampling):
+        return sampler.run(batch, params)
+    outputs = sampler.run(batch, params)
+    return [
+        Sampled(output.sequences[0].tokens[len(prompt["prompt_token_ids"]) :], output.sequences[0].cum_logprob)
+        for output, prompt in zip(outputs, batch)
+    ]
+
+
+class MultinomialSampling:
+    """Plain sampling at the beam samplers' law, one sample a prompt (the engine's own
+    ``generate``: on a ``dsbd`` engine its exact one-sequence speculation)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def run(self, batch: list[Any], params: Any) -> list[Sampled]:
+        from vllm import SamplingParams
+
+        sampling = SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            ignore_eos=params.ignore_eos,
+            seed=params.seed,
+            logprobs=0,  # the sampled token's raw logprob, summed: the target's log-likelihood
+        )
+        outputs = self.llm.generate(batch, sampling, use_tqdm=False)
+        return [Sampled(list(out.outputs[0].token_ids), out.outputs[0].cumulative_logprob) for out in outputs]
 
 
 def run_round(job: RoundJob) -> None:
@@ -178,14 +225,15 @@ def start_round(job: RoundJob, log: Path) -> None:
 
 
 # ------------------------------------------------------------ pooling and the table
-def round_order(round_index: int) -> list[str]:
-    """The samplers' order in a round: alternating, so drift within a round hits both alike."""
-    return list(SAMPLERS if round_index % 2 == 0 else SAMPLERS[::-1])
+def round_order(round_index: int, samplers: tuple[str, ...] = SAMPLERS[:2]) -> list[str]:
+    """The samplers' order in a round: alternating, so drift within a round hits them alike."""
+    return list(samplers if round_index % 2 == 0 else samplers[::-1])
 
 
 def pool(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per scenario and sampler (reference first): the median tokens/s over rounds, the
-    speedup (medians' ratio to the reference's) and the figures pooled over rounds."""
+    """One row per scenario and sampler (in ``SAMPLERS``' order): the median tokens/s over rounds,
+    the speedup (medians' ratio to the scenario's reference, when it ran) and the figures pooled
+    over rounds."""
     groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     for record in (r for records in rounds for r in records):
         groups.setdefault((record["width"], record["batch_size"], record["sampler"]), []).append(record)
@@ -204,10 +252,17 @@ def pool(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         }
         if sampler == "speculative":
             row.update(speculative_figures(runs))
-        reference = row if sampler == "reference" else rows[-1]  # sorted: the scenario's reference just before
-        row["speedup"] = row["tokens_per_s"] / reference["tokens_per_s"]
         rows.append(row)
+    for row in rows:
+        reference = reference_row(rows, row)
+        row["speedup"] = row["tokens_per_s"] / reference["tokens_per_s"] if reference else None
     return rows
+
+
+def reference_row(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any] | None:
+    """The reference sampler's row of ``row``'s width and batch size, if it ran."""
+    same = (row["width"], row["batch_size"], "reference")
+    return next((r for r in rows if (r["width"], r["batch_size"], r["sampler"]) == same), None)
 
 
 def speculative_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -224,32 +279,49 @@ def speculative_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def pass_at_1(prompts: list[Any], rows: list[dict[str, Any]], timeout: float) -> None:
-    """Each row's best-beam HumanEval pass@1, over every round's texts, in place
-    (``benchmarks/report.py``'s ``pass_rates``: EXECUTES the generated code)."""
+    """Each row's best-beam HumanEval pass@1 over every round's texts, and its paired difference
+    from the reference's with that difference's standard error over problems, in place
+    (``benchmarks/report.py``'s ``humaneval_checks``: EXECUTES the generated code)."""
     from benchmarks import report
 
     for row in rows:
-        runs = [{"texts": texts} for texts in row["texts"]]
-        report.pass_rates(prompts, runs, timeout)
-        row["pass_at_1"] = statistics.fmean(run["pass_rate"] for run in runs)
+        checks = report.humaneval_checks(prompts, row["texts"], timeout)  # [rounds][problems]
+        row["passed_per_problem"] = [statistics.fmean(problem) for problem in zip(*checks)]
+        row["pass_at_1"] = statistics.fmean(row["passed_per_problem"])
+    for row in rows:
+        reference = reference_row(rows, row)
+        if reference is None or reference is row:
+            continue
+        gaps = [a - b for a, b in zip(row["passed_per_problem"], reference["passed_per_problem"])]
+        row["pass_at_1_minus_reference"] = statistics.fmean(gaps)
+        row["pass_at_1_minus_reference_se"] = statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else None
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table: a row per beam width, batch size and sampler."""
     lines = [
         "| W | batch | sampler | tok/s (median) | speedup | steps/round | accepted pairs per depth "
-        "| loglik/token | pass@1 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| loglik/token | pass@1 | pass@1 − reference (± 2 SE) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         accepted = " / ".join(f"{a:.2f}" for a in row.get("accepted_per_depth", [])) or "–"
         steps = f"{row['steps_per_round']:.2f}" if "steps_per_round" in row else "–"
         passed = f"{row['pass_at_1']:.3f}" if "pass_at_1" in row else "–"
+        speedup = f"{row['speedup']:.2f}" if row["speedup"] is not None else "–"
         lines.append(
             f"| {row['width']} | {row['batch_size']} | {row['sampler']} | {row['tokens_per_s']:.2f} | "
-            f"{row['speedup']:.2f} | {steps} | {accepted} | {row['mean_loglik_per_token']:.4f} | {passed} |"
+            f"{speedup} | {steps} | {accepted} | {row['mean_loglik_per_token']:.4f} | {passed} | {gap(row)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def gap(row: dict[str, Any]) -> str:
+    """``+0.025 ± 0.061``: pass@1's paired difference from the reference, two standard errors."""
+    if "pass_at_1_minus_reference" not in row:
+        return "–"
+    se = row["pass_at_1_minus_reference_se"]
+    return f"{row['pass_at_1_minus_reference']:+.3f}" + (f" ± {2 * se:.3f}" if se is not None else "")
 
 
 # ------------------------------------------------------------ main
@@ -308,7 +380,7 @@ def round_job(
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         scenarios=[Scenario(w, b) for w in args.widths for b in args.batch_sizes],
-        order=round_order(index),
+        order=round_order(index, tuple(args.samplers)),
         result=str(out / "logs" / f"round{index + 1}.result.json"),
     )
 
@@ -324,6 +396,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--widths", type=int, nargs="+", default=[2, 4], help="beam widths W")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="prompts sampled together")
+    parser.add_argument(
+        "--samplers",
+        nargs="+",
+        choices=SAMPLERS,
+        default=list(SAMPLERS[:2]),
+        help="multinomial: plain sampling at the same law, the quality floor (default: %(default)s)",
+    )
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": run_config(args, sys.argv if argv is None else argv, prompts, dtype, comparison, files),
         "environment": environment(model, draft),
         "methods": {name: asdict(s) for name, s in status.items()},
-        "engines": [comparison.records[e.id] for e in engines if e.id in comparison.records],
+        "engines": [comparison.records[e.id].as_json() for e in engines if e.id in comparison.records],
         "runs": [{k: v for k, v in run.items() if k not in ("outputs", "texts")} for run in runs],
         "clear_margin_divergences": divergences,
         "margin_engine": comparison.margin_engine,
@@ -188,7 +188,7 @@ def run_config(
         "engine_dtype": dtype.engine,
         "dtype_fallback": dtype.fallback,
         # as vLLM resolved it (the baseline's model config)
-        "dtype_resolved": comparison.records["none"]["dtype"],
+        "dtype_resolved": comparison.records["none"].dtype,
         "near_tie": args.near_tie,
         "max_model_len": args.max_model_len,
         "enforce_eager": args.enforce_eager,

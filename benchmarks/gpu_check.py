@@ -98,8 +98,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not the repository
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_kernels import KERNEL_TESTS, StageError, append_record, read_records
-from benchmarks.process_group import stop_group
+from benchmarks.gpu_kernels import KERNEL_TESTS
+from benchmarks.process_group import StageError, append_record, read_records, stop_group
 
 PASSES = ("eager", "compiled")
 PROMPTS = [

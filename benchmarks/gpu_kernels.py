@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.process_group import atomic_write, stop_group  # stdlib only, no vLLM
+from benchmarks.process_group import StageError, append_record, atomic_write, read_records, stop_group  # stdlib only
 from benchmarks.tables import markdown_table
 
 KERNEL_TESTS = ("tests/kernels/test_tree_attention.py", "tests/kernels/test_kv_move.py")
@@ -454,24 +454,6 @@ def stage_benchmark(args: argparse.Namespace, report: Report, budget: float, env
 
 class StageSkipped(RuntimeError):
     """A stage that could not run here, said in one line."""
-
-
-# ------------------------------------------------ shared with gpu_check.py
-class StageError(RuntimeError):
-    """A stage's failure, said in one line."""
-
-
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    """One JSON line, written whole and closed: a reader (:func:`read_records`) sees every finished record."""
-    with path.open("a") as out:
-        out.write(json.dumps(record) + "\n")
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines written so far, whole lines only (a stopped writer may leave its last line cut)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
 
 
 # ----------------------------------- which kernel tests need vLLM (static)

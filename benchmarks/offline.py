@@ -22,7 +22,7 @@ from benchmarks import report
 from benchmarks.divergence import Reference, complete_margins, margins_of
 from benchmarks.plan import EngineSpec, MethodStatus
 from benchmarks.processes import WorkerExit, atomic_write, engine_schedule, failure_line, run_interleaved, run_worker
-from benchmarks.records import Job, Scenario
+from benchmarks.records import EngineRecord, Job, Scenario
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Comparison:
     status: dict[str, MethodStatus]
     workload: Workload
     logs: Path
-    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    records: dict[str, EngineRecord] = field(default_factory=dict)
     raw: dict[str, dict[str, Any]] = field(default_factory=dict)
     margins: dict[Reference, list[float]] = field(default_factory=dict)
     #: the float32 engine started for margins, if any
@@ -134,37 +134,22 @@ class Comparison:
         log = self.logs / f"{job.name}.log"
         record = self.records.setdefault(
             engine.id,
-            {
-                "id": engine.id,
-                "method": engine.method,
-                "speculative_config": engine.speculative_config,
-                "engine_kwargs": job.engine_kwargs,
-                "log": str(log),
-                "peak_rss_mib": 0.0,
-                "status": "ok",
-                "rounds": 0,
-            },
+            EngineRecord(engine.id, engine.method, engine.speculative_config, job.engine_kwargs, str(log)),
         )
-        record["peak_rss_mib"] = max(record["peak_rss_mib"], ended.peak_rss_mib)
+        record.peak_rss_mib = max(record.peak_rss_mib, ended.peak_rss_mib)
         if ended.code != 0:
-            record["status"] = "failed"
-            record["reason"] = f"worker exit code {ended.code}: {failure_line(log)}"
-            record["log"] = str(log)
-            self.status[engine.method].status, self.status[engine.method].reason = "failed", record["reason"]
+            record.status, record.reason = "failed", f"worker exit code {ended.code}: {failure_line(log)}"
+            self.status[engine.method].status, self.status[engine.method].reason = "failed", record.reason
             self.raw.pop(engine.id, None)
-            tqdm.write(f"engine {job.name} failed: {record['reason']}")
+            tqdm.write(f"engine {job.name} failed: {record.reason}")
             if engine.kind == "baseline":
-                raise SystemExit(f"the no-speculation engine failed; see {record['log']}")
+                raise SystemExit(f"the no-speculation engine failed; see {record.log}")
             return
-        if record["status"] == "failed":
+        if record.status == "failed":
             return  # failed in an earlier round: its figures stay out
         data = json.loads(Path(job.result).read_text())
         data["scenarios"] = job.scenarios
-        record["rounds"] += 1
-        record.setdefault("start_s_rounds", []).append(data["start_s"])
-        record["start_s"] = record["start_s_rounds"][0]
-        record["async_scheduling"] = data["async_scheduling"]
-        record["dtype"] = data["dtype"]
+        record.finished(data)
         self.raw[engine.id] = data if engine.id not in self.raw else report.merge_rounds(self.raw[engine.id], data)
         if job.score_outputs:
             report.attach_scores(self.raw, job.score, self.raw[engine.id], data)

@@ -10,11 +10,13 @@ torch and Triton alone.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 #: Seconds between SIGTERM to a command's process group and SIGKILL to what is left of it.
 GRACE_S = 15.0
@@ -78,3 +80,21 @@ def atomic_write(path: Path, text: str) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text)
     os.replace(partial, path)
+
+
+# ------------------------------------------------ the GPU runners' stages and records
+class StageError(RuntimeError):
+    """A stage's failure, said in one line."""
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line, written whole and closed: a reader (:func:`read_records`) sees every finished record."""
+    with path.open("a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines written so far, whole lines only (a stopped writer may leave its last line cut)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]

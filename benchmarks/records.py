@@ -167,6 +167,40 @@ class RunRecord:
 
 
 @dataclass
+class EngineRecord:
+    """One engine across its rounds (the result's ``engines``): how it was started, its peak
+    memory, and whether every round ran; the start time and resolved settings of its first."""
+
+    id: str
+    method: str
+    speculative_config: dict[str, Any] | None
+    engine_kwargs: dict[str, Any]
+    log: str
+    peak_rss_mib: float = 0.0
+    status: str = "ok"
+    rounds: int = 0
+    reason: str | None = None
+    start_s_rounds: list[float] = field(default_factory=list)
+
+    #: what the first round resolved (``None`` until a round finished)
+    start_s: float | None = None
+    async_scheduling: bool | None = None
+    dtype: str | None = None
+
+    def finished(self, worker_json: Mapping[str, Any]) -> None:
+        """A round's figures (the worker's :class:`WorkerResult` JSON): its start time, the first round's settings."""
+        self.rounds += 1
+        self.start_s_rounds.append(worker_json["start_s"])
+        self.start_s = self.start_s_rounds[0]
+        self.async_scheduling, self.dtype = worker_json["async_scheduling"], worker_json["dtype"]
+
+    def as_json(self) -> dict[str, Any]:
+        """The record's JSON: what no round reached (a reason while ok, figures before a round) left out."""
+        unset = {"reason": None, "start_s_rounds": [], "start_s": None, "async_scheduling": None, "dtype": None}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in unset or v != unset[k]}
+
+
+@dataclass
 class WorkerResult:
     """What a worker writes: its engine's start time and resolved settings, its runs, and (the
     baseline's) scores: ``external`` and ``own`` log-probabilities, ``margins`` along one of them."""

