@@ -34,7 +34,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from vllm_specbeam.adapter.beam_search import PromptSearch, Selection, SpeculativeBeamSearch
+from vllm_specbeam.adapter.beam_search import PromptSearch, Selection, SpeculativeBeamSearch, priorities
 from vllm_specbeam.core.config import SpecbeamConfigError
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.methods.dsbd import beam_sampling as law_maths
@@ -191,15 +191,17 @@ class _Sampler:
 
     engine: Any
 
-    def _instances(self, prompts: Sequence[Any], params: BeamSamplingParams, key: str) -> list[PromptSampling]:
+    def _instances(
+        self, prompts: Sequence[Any], params: BeamSamplingParams, key: str, priority: int | Sequence[int] | None
+    ) -> list[PromptSampling]:
         from vllm.entrypoints.generate.beam_search.utils import BeamSearchInstance
 
         # vLLM 0.32.0 entrypoints/generate/beam_search/offline.py: LLM.beam_search's preprocessing
         inputs = self.engine._preprocess_cmpl(list(prompts))
         generators = prompt_generators(params.seed, len(inputs))
         return [
-            PromptSampling(BeamSearchInstance(prompt), f"{key}-{i}", generator=generator)
-            for i, (prompt, generator) in enumerate(zip(inputs, generators))
+            PromptSampling(BeamSearchInstance(prompt), f"{key}-{i}", p, generator=generator)
+            for i, (prompt, p, generator) in enumerate(zip(inputs, priorities(priority, len(inputs)), generators))
         ]
 
     def prepare(self, params: BeamSamplingParams, selection: Selection | None = None) -> None:
@@ -261,19 +263,23 @@ class BeamSampling(_Sampler):
         """``hf``: Hugging Face's law (``2W`` without replacement, the ``W`` best kept)."""
         self.engine, self.hf = engine, hf
 
-    def run(self, prompts: Sequence[Any], params: BeamSamplingParams) -> list[Any]:
+    def run(
+        self, prompts: Sequence[Any], params: BeamSamplingParams, priority: int | Sequence[int] | None = None
+    ) -> list[Any]:
+        """Each prompt's ``W`` best sampled beams (``priority``: as ``LLM.beam_search`` takes it)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.prepare(params)
-        instances = self._instances(prompts, params, f"beam-sampling-{uuid.uuid4().hex[:12]}")
+        instances = self._instances(prompts, params, f"beam-sampling-{uuid.uuid4().hex[:12]}", priority)
         request = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_logprobs, detokenize=False)
         for _ in range(params.max_tokens):
             active = [inst for inst in instances if inst.state.beams]
             if not active:
                 break
             prompts_ = [TokensPrompt(prompt_token_ids=b.tokens) for inst in active for b in inst.state.beams]
-            results = iter(self.engine.generate(prompts_, request, use_tqdm=False))
+            order = [inst.priority for inst in active for _ in inst.state.beams]
+            results = iter(self.engine.generate(prompts_, request, use_tqdm=False, priority=order))
             for inst in active:
                 rows = self._rows([next(results).outputs[0].logprobs[0] for _ in inst.state.beams], params)
                 self._step(inst, rows, params)
@@ -324,15 +330,19 @@ class SpeculativeBeamSampling(_Sampler, SpeculativeBeamSearch):
         self._keys = f"beam-sampling-{uuid.uuid4().hex[:12]}"
         self.sampling_stats = BeamSamplingStats()
 
-    def run(self, prompts: Sequence[Any], params: BeamSamplingParams) -> list[Any]:  # type: ignore[override]
+    def run(
+        self, prompts: Sequence[Any], params: BeamSamplingParams, priority: int | Sequence[int] | None = None
+    ) -> list[Any]:
         """The ``W`` best of each prompt's sampled beams, as :meth:`BeamSampling.run` returns them."""
         self.prepare(params)
-        instances = self._instances(prompts, params, self._keys + f"-{next(_RUNS)}")
+        instances = self._instances(prompts, params, self._keys + f"-{next(_RUNS)}", priority)
         try:
             while active := self.active(instances, params):
                 requests = self.draft_round(active, params, self.selection.draft_eos)
                 prompts_, sampling = zip(*requests)
-                results = self.engine.generate(list(prompts_), list(sampling), use_tqdm=False)
+                results = self.engine.generate(
+                    list(prompts_), list(sampling), use_tqdm=False, priority=self.request_priorities(active)
+                )
                 self.verify_round(active, results, params, None)
         finally:
             self.release(instances)
