@@ -321,26 +321,22 @@ def tree_attention(
     """Attention of a mixed tree/causal batch over the paged KV cache.
 
     Args:
-        q: ``[num_tokens, num_heads, head_size]`` (rows past
-            ``query_start_loc[-1]``, e.g. CUDA-graph padding, are ignored).
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads,
-            head_size]`` views with unit last stride, exactly the backend's
-            ``kv_cache.transpose(1, 2).split(head_size, -1)``.
-        block_table: ``[num_reqs, max_blocks]`` int32.
-        query_start_loc: ``[num_reqs + 1]`` int32 (vLLM's ``cu_seqlens_q``).
-        seq_lens: ``[num_reqs]`` int32, context + this step's rows.
-        tree_mask: ``[num_tokens, num_words]`` int64 ancestor words (see
-            :mod:`.reference`); ``None`` means every row is causal.
+        q: ``[num_tokens, num_heads, head_size]`` (rows past ``query_start_loc[-1]``, e.g.
+            CUDA-graph padding, are ignored).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]`` views with unit
+            last stride, exactly the backend's ``kv_cache.transpose(1, 2).split(head_size, -1)``.
+        block_table, query_start_loc, seq_lens: ``[num_reqs, max_blocks]``, ``[num_reqs + 1]`` (vLLM's
+            ``cu_seqlens_q``), ``[num_reqs]`` (context + this step's rows), int32.
+        tree_mask: ``[num_tokens, num_words]`` int64 ancestor words (see :mod:`.reference`); ``None``:
+            every row is causal.
         softmax_scale: usually ``head_size ** -0.5``.
-        max_query_len: host-side bound on rows per request (vLLM metadata
-            has it); computed with a device sync when omitted.
+        max_query_len: host-side bound on rows per request (vLLM metadata has it); computed with a
+            device sync when omitted.
         out: optional output, same shape/dtype as ``q``.
-        tree_base: ``[num_reqs]`` int32, where each request's tree window
-            starts, ``0 <= B <= seq_len - query_len`` (not checked: that
-            would sync); ``None`` means ``seq_len - query_len`` for all.
+        tree_base: ``[num_reqs]`` int32, where each request's tree window starts, ``0 <= B <= seq_len -
+            query_len`` (not checked: that would sync); ``None`` means ``seq_len - query_len`` for all.
 
-    Falls back to :func:`.reference.tree_attention_ref` when Triton is missing
-    or the tensors are on CPU without ``TRITON_INTERPRET=1``.
+    Falls back to :func:`.reference.tree_attention_ref` without Triton, or on CPU without ``TRITON_INTERPRET=1``.
     """
     if out is None:
         out = torch.empty_like(q)
@@ -350,18 +346,36 @@ def tree_attention(
             tree_base=tree_base,
         )  # fmt: skip
     num_reqs = seq_lens.shape[0]
-    num_heads, head_size = q.shape[1], q.shape[2]
-    _num_blocks, block_size, num_kv_heads, _head_size = key_cache.shape
     tree_mask = _checked_tree_mask(q, key_cache, value_cache, out, seq_lens, tree_mask, tree_base)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_reqs else 0
     if num_reqs == 0 or max_query_len == 0:
         return out
+    _launch(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, tree_mask, softmax_scale,
+            tree_base, max_query_len)  # fmt: skip
+    return out
 
+
+def _launch(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    softmax_scale: float,
+    tree_base: torch.Tensor | None,
+    max_query_len: int,
+) -> None:
+    """The kernel over a grid of (row tiles, KV heads, requests), with :func:`_launch_config`'s tile."""
+    num_heads, head_size = q.shape[1], q.shape[2]
+    _num_blocks, block_size, num_kv_heads, _head_size = key_cache.shape
     group = num_heads // num_kv_heads
     cfg = _launch_config(group, head_size, max_query_len)
     num_warps = cfg.pop("num_warps")
-    grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), num_kv_heads, num_reqs)
+    grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), num_kv_heads, seq_lens.shape[0])
     _tree_attention_kernel[grid](
         q, key_cache, value_cache, out,
         block_table, query_start_loc, seq_lens,
@@ -384,4 +398,3 @@ def tree_attention(
         num_warps=num_warps,
         **cfg,
     )  # fmt: skip
-    return out
