@@ -14,8 +14,9 @@ beams' own cumulative raw logprobs, the target's) and, with ``--execute-code`` o
 HumanEval, the best beam's pass@1 (``benchmarks/report.py``'s ``humaneval_checks``)
 with its paired difference from the reference's and that difference's standard error
 over problems (the noise: both samplers draw from one law, so only sampling separates
-them). ``--samplers ... multinomial`` adds plain sampling at the same law (vLLM's
-``generate``, ``n`` = 1; the width does not apply), the floor beam sampling should beat.
+them). ``--samplers ... multinomial`` adds plain sampling at the same temperature and cuts
+(vLLM's ``generate``, ``n`` = 1, speculated exactly; the width does not apply), the floor
+beam sampling should beat.
 Speculative rows also give target passes' steps per round and the accepted pairs
 per depth per prompt-round.
 
@@ -175,8 +176,9 @@ def answers(sampler: Any, batch: list[Any], params: Any) -> list[Sampled]:
 
 
 class MultinomialSampling:
-    """Plain sampling at the beam samplers' law, one sample a prompt (the engine's own
-    ``generate``: on a ``dsbd`` engine its exact one-sequence speculation)."""
+    """Plain sampling at the beam samplers' law, one sample a prompt: the engine's own ``generate``,
+    with the ``dsbd`` engine's draft one beam wide (``max_width`` 1: a chain, verified exactly; wider,
+    its one-sequence mode would draw beams, another law)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
@@ -192,6 +194,7 @@ class MultinomialSampling:
             ignore_eos=params.ignore_eos,
             seed=params.seed,
             logprobs=0,  # the sampled token's raw logprob, summed: the target's log-likelihood
+            extra_args={"max_width": 1},
         )
         outputs = self.llm.generate(batch, sampling, use_tqdm=False)
         return [Sampled(list(out.outputs[0].token_ids), out.outputs[0].cumulative_logprob) for out in outputs]
