@@ -22,6 +22,7 @@ from vllm_specbeam.core.controller import (
     StepLedger,
     StepPrices,
     Switch,
+    load_bucket,
     paying_share,
     utility,
 )
@@ -172,6 +173,19 @@ def test_the_switch_rests_at_most_max_off_steps_and_probes_when_the_batch_change
     assert max(np.diff(drafted)) == MAX_OFF_STEPS + 1  # rests grow to MAX_OFF_STEPS, then stay
     assert not switch.drafts(batch) and switch.off
     assert switch.drafts(["a", "b"])  # a request came: the load it was judged at is gone
+
+
+def test_requests_coming_and_going_at_one_load_do_not_wake_a_resting_batch() -> None:
+    """A served batch changes nearly every step; only a load half or twice as large probes at once."""
+    switch, drafted = Switch(), []
+    for step in range(100):  # 10-14 requests, a different set every step
+        batch = [f"r{step + i}" for i in range(10 + step % 5)]
+        if switch.drafts(batch):
+            drafted.append(step)
+            switch.after(0.5)
+    assert len(drafted) < 15 and max(np.diff(drafted)) == MAX_OFF_STEPS + 1
+    assert switch.off and switch.drafts([f"s{i}" for i in range(16)])  # 16 requests: another load
+    assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 200)] == [0, 1, 2, 2, 3, 3, 4, 8]
 
 
 def test_the_gate_probes_the_best_request_alone_on_a_back_off() -> None:

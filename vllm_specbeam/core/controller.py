@@ -181,6 +181,12 @@ def utility(prices: StepPrices, gain: float, rows: int, draft_seconds: float, br
     return (batch + gain) / max(float(step.seconds(batch + rows)) + draft_seconds, 1e-9) / plain
 
 
+def load_bucket(batch_size: int) -> int:
+    """The batch's load as the switch tells loads apart: 0 for none, 1 for one request, 2 for 2-3,
+    3 for 4-7, ... (the bit length: a load change is a batch half or twice as large)."""
+    return batch_size.bit_length()
+
+
 class Switch:
     """Whether a batch drafts at all this step.
 
@@ -191,8 +197,11 @@ class Switch:
     probes after 1, 2, 4, ... up to :data:`MAX_OFF_STEPS` steps, a probe's
     utility starting the average anew; a probe that pays turns it back on and
     halves the next rest, so a batch whose drafts pay now and then is not
-    switched on and off every step. A change of batch (a request came or went)
-    probes at once: the load it was judged at is gone. A step whose drafts were all
+    switched on and off every step. A change of load probes at once: the batch's size
+    moved to another power of two (1, 2-3, 4-7, 8-15, ...), so the rows it was judged at are
+    gone. Requests that come and go at the same load (a server's continuous batch, where
+    the batch changes nearly every step) do not: they would keep a batch that should rest
+    drafting every step. A step whose drafts were all
     priced out rests the batch too (it would ask the drafter for nothing again); a
     step of unknown utility (unpriced drafts) counts as paying.
 
@@ -202,7 +211,8 @@ class Switch:
 
     def __init__(self) -> None:
         self._rest = BackOff(most=MAX_OFF_STEPS)
-        self._batch: frozenset[str] = frozenset()
+        #: the load the batch was judged at (:func:`load_bucket`)
+        self._load = 0
         self._utility: float | None = None
         #: this step drafts after a rest (its utility starts the average anew)
         self.probing = False
@@ -210,9 +220,9 @@ class Switch:
 
     def drafts(self, req_ids: Sequence[str]) -> bool:
         """Whether this step (of these requests) drafts; a step that does not passes one step of rest."""
-        batch = frozenset(req_ids)
-        if batch != self._batch:
-            self._batch, self._rest.left, self._utility = batch, 0, None
+        load = load_bucket(len(req_ids))
+        if load != self._load:
+            self._load, self._rest.left, self._utility = load, 0, None
         drafts = self._rest.allows()
         self.probing, self._resting = drafts and self._resting, not drafts
         if not drafts:
