@@ -169,7 +169,7 @@ class RunRecord:
 @dataclass
 class EngineRecord:
     """One engine across its rounds (the result's ``engines``): how it was started, its peak
-    memory, and whether every round ran; the start time and resolved settings of its first."""
+    memory, whether every round ran, the first round's start time and the settings vLLM resolved."""
 
     id: str
     method: str
@@ -182,13 +182,13 @@ class EngineRecord:
     reason: str | None = None
     start_s_rounds: list[float] = field(default_factory=list)
 
-    #: what the first round resolved (``None`` until a round finished)
+    #: the first round's start time, and what vLLM resolved (``None`` until a round finished)
     start_s: float | None = None
     async_scheduling: bool | None = None
     dtype: str | None = None
 
     def finished(self, worker_json: Mapping[str, Any]) -> None:
-        """A round's figures (the worker's :class:`WorkerResult` JSON): its start time, the first round's settings."""
+        """A finished round's figures (the worker's :class:`WorkerResult` JSON)."""
         self.rounds += 1
         self.start_s_rounds.append(worker_json["start_s"])
         self.start_s = self.start_s_rounds[0]

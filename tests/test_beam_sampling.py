@@ -261,7 +261,8 @@ def test_speculative_beam_sampling_draws_the_reference_beams(llm, monkeypatch):
 
 @pytest.mark.engine
 def test_both_samplers_take_priorities_as_llm_beam_search_does(llm, monkeypatch):
-    """One priority per prompt reaches every request the sampler sends; a wrong count is refused."""
+    """One priority per prompt reaches every request the sampler sends for that prompt (recorded,
+    then dropped: the engine schedules first come, first served); a wrong count is refused."""
     from conftest import make_prompts
 
     from vllm_specbeam.adapter.beam_sampling import BeamSampling, BeamSamplingParams, SpeculativeBeamSampling
@@ -274,8 +275,10 @@ def test_both_samplers_take_priorities_as_llm_beam_search_does(llm, monkeypatch)
         with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
             sampler.run(make_prompts(3)[1:], params, priority=[0])
         sent.clear()
-        sampler.run(make_prompts(3)[1:], params, priority=0)
-        assert sent and all(p == [0] * len(p) and p for p in sent)
+        sampler.run(make_prompts(3)[1:], params, priority=[3, 5])
+        first = sent[0]  # both prompts still sampling: the first prompt's requests, then the second's
+        assert first == sorted(first) and 3 in first and 5 in first
+        assert all(set(p) <= {3, 5} for p in sent)
 
 
 # ---------------------------------------------------------------- server
