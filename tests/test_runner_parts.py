@@ -40,6 +40,7 @@ from vllm_specbeam.adapter.verification import (
     Accepted,
     StepTree,
     TreeVerification,
+    accepted_logprobs,
     count_tree,
     first_logit_rows,
 )
@@ -219,6 +220,35 @@ def test_accepted_rows_lay_verdicts_out_and_move_accepted_nodes_off_their_rows()
     assert [r.tolist() for r in rows.src_rows] == [[2, 3]] and [r.tolist() for r in rows.dst_rows] == [[1, 2]]
     assert (counts.trees, counts.nodes, counts.accepted, counts.accepted_off_first_branch) == (1, 3, 2, 1)
     assert verification.verifying == []
+
+
+def test_accepted_logprobs_are_vllms_at_the_committed_cells_and_only_there_computed() -> None:
+    """The committed cells hold what vLLM's rejection sampler computes at every cell (its
+    ``parse_output`` keeps those); the full-vocabulary softmax runs on the committed rows alone."""
+    from vllm.v1.sample.sampler import Sampler
+
+    counts = TreeCounts()
+    verification = TreeVerification((None, None, None), counts)  # type: ignore[arg-type]
+    tree = DraftTree(np.array([10, 11, 12]), np.array([-1, -1, 1]))
+    verification.verifying = [StepTree("a", 0, root_row=0, root_position=7, tree=tree)]
+    first_logit = first_logit_rows(SimpleNamespace(num_draft_tokens=[3, 0, 0]))
+    verdicts = [Accepted(path=np.array([1, 2]), tokens=[11, 12, 40])]
+    rows = verification.accepted_rows(verdicts, torch.tensor([99, 50, 7]), first_logit, width=4)
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))  # [rows, vocab]
+    sampler = Sampler()
+    seen: list[int] = []
+    stock = sampler.compute_logprobs
+    sampler.compute_logprobs = lambda rows_in: seen.append(rows_in.shape[0]) or stock(rows_in)  # type: ignore[method-assign]
+    got = accepted_logprobs(sampler, logits, rows, max_num_logprobs=2)
+    assert seen == [5]  # 3 committed tokens of the tree's request, one of each other: not 3 x 4 cells
+    every = Sampler.gather_logprobs(
+        stock(logits[torch.from_numpy(rows.logit_rows.reshape(-1))]), 2, rows.output.view(-1).clamp(min=0).long()
+    )
+    committed = rows.output.view(-1) != PLACEHOLDER_TOKEN_ID
+    assert committed.sum() == 5 and got.logprobs.shape == every.logprobs.shape == (12, 3)
+    for ours, theirs in zip(got[:3], every[:3]):
+        assert torch.equal(ours[committed], theirs[committed])
+    assert accepted_logprobs(sampler, logits, rows, max_num_logprobs=None) is None
 
 
 def test_count_tree_splits_nodes_by_source_and_skips_padding() -> None:

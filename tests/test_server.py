@@ -31,6 +31,7 @@ from test_metrics import expected_metrics, page_samples, specbeam_samples
 
 from benchmarks import processes
 from benchmarks.load import (
+    LOGPROB_TOLERANCE,
     Answer,
     Call,
     ServerReport,
@@ -204,6 +205,7 @@ def test_server_under_load_with_faults_and_bad_input_stays_exact(server, spec, l
     sampled = sum(not call.greedy for call in calls)
     assert report.requests == 2 * LOAD_REQUESTS and report.failures == 0
     assert report.greedy_identical == report.greedy_total == 2 * (LOAD_REQUESTS - sampled)
+    assert report.logprob_gap <= LOGPROB_TOLERANCE  # float32: the same logprobs up to the last bits
     assert report.sampled_ok == 2 * sampled > 0
     assert sorted(report.bad_handled) == sorted(b.name for b in bad)
     assert report.faults.dropped_streams == report.faults.abandoned == FAULTS

@@ -380,9 +380,7 @@ class TreeRunnerMixin:
             self._move_accepted_kv(rows.src_rows, rows.dst_rows)
         self._tree_step = None
         output = rows.output.to(logits.device)
-        logprobs = verification.accepted_logprobs(
-            self.sampler, logits, rows, output, sampling_metadata.max_num_logprobs
-        )
+        logprobs = verification.accepted_logprobs(self.sampler, logits, rows, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
     def _verify(

@@ -227,12 +227,28 @@ class TreeVerification:
         return laid_out
 
 
-def accepted_logprobs(
-    sampler: Any, logits: torch.Tensor, rows: AcceptedRows, output: torch.Tensor, max_num_logprobs: int | None
-) -> Any:
-    """vLLM's logprobs of the committed tokens ``output`` at their logit rows (``None`` unless asked for)."""
+def accepted_logprobs(sampler: Any, logits: torch.Tensor, rows: AcceptedRows, max_num_logprobs: int | None) -> Any:
+    """vLLM's logprobs of the committed tokens ``rows.output`` at their logit rows (``None`` unless asked for).
+
+    vLLM's rejection sampler computes them at every ``[num_reqs, width]`` cell, placeholders
+    included, and its ``parse_output`` keeps the committed cells (``output`` not
+    ``PLACEHOLDER_TOKEN_ID``). A tree's width is its node count, not a chain's few tokens, so
+    only the committed cells are computed here; the others hold zeros that vLLM drops (the cells
+    are chosen on the host, where the output was assembled: no sync). Example:
+    200 requests, width 49: 200 + accepted rows through the full-vocabulary softmax, not 9,800.
+    """
     if max_num_logprobs is None:
         return None
-    chosen = logits[torch.from_numpy(rows.logit_rows.reshape(-1)).to(logits.device)].to(torch.float32)
-    tokens = output.view(-1).to(torch.int64).clamp(min=0)
-    return sampler.gather_logprobs(sampler.compute_logprobs(chosen), max_num_logprobs, tokens)
+    from vllm.v1.outputs import LogprobsTensors
+
+    committed = rows.output.view(-1) != PLACEHOLDER_TOKEN_ID  # [num_reqs * width], on the host
+    cells = torch.from_numpy(rows.logit_rows.reshape(-1))[committed].to(logits.device)  # [num_committed]
+    tokens = rows.output.view(-1)[committed].to(logits.device, torch.int64)  # [num_committed]
+    found = sampler.gather_logprobs(sampler.compute_logprobs(logits[cells].to(torch.float32)), max_num_logprobs, tokens)
+    where = committed.to(logits.device)
+    every = []
+    for part in (found.logprob_token_ids, found.logprobs, found.selected_token_ranks):
+        full = part.new_zeros((where.numel(), *part.shape[1:]))  # [num_reqs * width, ...]
+        full[where] = part
+        every.append(full)
+    return LogprobsTensors(*every)
