@@ -333,8 +333,8 @@ def compare_wave(
     reference: Sequence[Answer] | None,
 ) -> list[str]:
     """Count the wave into the report; return one line per mismatch or failure.
-    Without a ``reference`` (the server without speculation itself) greedy
-    answers are only counted, not compared."""
+    Without a ``reference`` (the wave is the reference itself) greedy answers are
+    only counted, not compared."""
     problems = []
     for index, (call, answer) in enumerate(zip(calls, answers)):
         report.requests += 1

@@ -236,9 +236,14 @@ def test_accepted_logprobs_are_vllms_at_the_committed_cells_and_only_there_compu
     rows = verification.accepted_rows(verdicts, torch.tensor([99, 50, 7]), first_logit, width=4)
     logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))  # [rows, vocab]
     sampler = Sampler()
-    seen: list[int] = []
+    seen: list[int] = []  # rows of each softmax
     stock = sampler.compute_logprobs
-    sampler.compute_logprobs = lambda rows_in: seen.append(rows_in.shape[0]) or stock(rows_in)  # type: ignore[method-assign]
+
+    def counted(rows_in: torch.Tensor) -> torch.Tensor:
+        seen.append(rows_in.shape[0])
+        return stock(rows_in)
+
+    sampler.compute_logprobs = counted  # type: ignore[method-assign]
     got = accepted_logprobs(sampler, logits, rows, max_num_logprobs=2)
     assert seen == [5]  # 3 committed tokens of the tree's request, one of each other: not 3 x 4 cells
     every = Sampler.gather_logprobs(
