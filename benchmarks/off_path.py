@@ -10,6 +10,7 @@ plugin engine keeps even on its plain steps.
 
     python benchmarks/off_path.py                                  # SmolLM2-135M, lookup_tree, batch 8
     python benchmarks/off_path.py --method aded --batch-size 1 --rounds 8
+    python benchmarks/off_path.py --model qwen-coder-1.5b --method mcsd --draft qwen-coder-0.5b
 
 Runs both engines in this process (the planted line goes in through
 ``collective_rpc``), in the checkpoint's dtype. Writes ``OUT/off_path.json``.
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p.text for p in load_prompts(args.prompts, args.batch_size)]
     settings = {"model": model, "dtype": dtype.engine, "max_model_len": 2048, "seed": 0}
     settings |= {"enforce_eager": args.enforce_eager, "kv_cache_memory_bytes": 1 << 30}
-    engines = {"none": LLM(**settings), args.method: LLM(**settings, speculative_config={"method": args.method})}
+    speculative = {"method": args.method}
+    if args.draft:
+        speculative["model"] = models.resolve_option(args.draft)
+    engines = {"none": LLM(**settings), args.method: LLM(**settings, speculative_config=speculative)}
     engines[args.method].collective_rpc(_plant)
     for llm in engines.values():
         timed(llm, prompts[:1], 8)  # warm
@@ -113,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--method", default="lookup_tree", choices=("lookup_tree", "aded"))
+    parser.add_argument("--method", default="lookup_tree", choices=("lookup_tree", "aded", "mcsd"))
+    parser.add_argument("--draft", help="the draft model of a draft-model method (mcsd)")
     parser.add_argument("--prompts", default="humaneval")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)

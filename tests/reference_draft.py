@@ -42,6 +42,15 @@ class ReferenceDraftRuntime:
             results.append(self._last_logits(self._context[req_id]))
         return results
 
+    def sync_rows(self, req_id: str, token_ids: Sequence[int] | np.ndarray) -> int:
+        """What a cache would feed: the tokens past the last sync's and its accepted tree path."""
+        tokens, context = [int(t) for t in token_ids], self._context.get(req_id)
+        if context is None or tokens[: len(context)] != context:
+            return len(tokens)
+        rest = tokens[len(context) :]
+        kept = max((len(path) for path in self._paths[req_id] if rest[: len(path)] == path), default=0)
+        return len(tokens) - min(len(context) + kept, len(tokens) - 1)
+
     def extend_many(self, nodes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
         self.batches += [len(nodes)] if nodes else []
         results = []

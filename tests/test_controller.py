@@ -26,6 +26,7 @@ from vllm_specbeam.core.controller import (
     paying_share,
     utility,
 )
+from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import DraftTree
 
 #: 38 ms + 0.5 ms a row: C(4) = 40 ms, C(8) = 42 ms (the module docstring's example)
@@ -59,6 +60,8 @@ def test_the_paying_share_example() -> None:
     assert ledger is not None
     assert paying_share(ledger, [0.1, 0.9, 0.8], [1, 1, 1], [1, 1, 1]) == [1, 2]
     assert ledger.tokens == 4.0  # choosing adds nothing
+    # the most valuable candidate sat out 40 steps: its catch-up leaves the second to join alone
+    assert paying_share(ledger, [0.1, 0.9, 0.8], [1, 1, 1], [1, 41, 1]) == [2]
 
 
 def goodput(ledger: StepLedger, gains, rows, fed, chosen) -> float:
@@ -78,6 +81,26 @@ def test_paying_share_equals_brute_force(seed: int) -> None:
     assert ledger is not None
     count, width = int(rng.integers(1, 7)), int(rng.integers(1, 4))
     gains, rows, fed = rng.uniform(0, 1.5, count).tolist(), [width] * count, [1] * count
+    chosen = paying_share(ledger, gains, rows, fed)
+    best = max(
+        goodput(ledger, gains, rows, fed, list(subset))
+        for size in range(count + 1)
+        for subset in combinations(range(count), size)
+    )
+    assert goodput(ledger, gains, rows, fed, chosen) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_paying_share_of_unequal_candidates_equals_brute_force_on_straight_lines(seed: int) -> None:
+    """Candidates of their own rows and fed rows (requests that sat out steps feed their catch-up):
+    on straight lines the share chosen, by each candidate's own rate, is the best of every subset."""
+    rng = np.random.default_rng(100 + seed)
+    target = StepCost(rng.uniform(0.01, 0.05), rng.uniform(0, 0.003))
+    ledger = StepLedger.of(StepPrices(int(rng.integers(1, 9)), target, StepCost(rng.uniform(0, 0.02), 0.001)))
+    assert ledger is not None
+    count = int(rng.integers(1, 7))
+    gains = rng.uniform(0, 1.5, count).tolist()
+    rows, fed = rng.integers(1, 4, count).tolist(), rng.integers(1, 40, count).tolist()
     chosen = paying_share(ledger, gains, rows, fed)
     best = max(
         goodput(ledger, gains, rows, fed, list(subset))
@@ -204,6 +227,20 @@ def test_the_gate_probes_the_best_request_alone_on_a_back_off() -> None:
     assert ledger.draft_seconds == 0.0 and ledger.rows == 2  # the forward is charged, the levels are not
 
 
+def test_the_gate_charges_each_requests_catch_up_and_probes_the_cheapest() -> None:
+    """A request whose draft lags 40 tokens (it sat out 40 steps) is refused where its caught-up
+    peers draft; the forward is charged at the rows fed. When none pays, the probe is the request
+    of the most tokens per second of its own, not the most valuable one dragging a catch-up."""
+    draft = StepCost(0.006, 0.001)
+    ledger = StepLedger.of(StepPrices(4, TARGET, draft))
+    assert ledger is not None
+    assert DraftGate().choose(ledger, [0.6] * 4, [1] * 4, [1, 1, 1, 41]) == [0, 1, 2]
+    assert ledger.draft_seconds == pytest.approx(float(draft.seconds(3)))
+    ledger = StepLedger.of(StepPrices(4, TARGET, StepCost(0.2, 0.001)))  # no share pays
+    assert ledger is not None
+    assert DraftGate().choose(ledger, [0.9, 0.6], [1, 1], [41, 1]) == [1] and ledger.probing
+
+
 # ---------------------------------------------------------------- the priced mcsd drafter
 def priced(prices: StepPrices, **overrides):
     runtime = DeferringRuntime()
@@ -234,6 +271,21 @@ def test_depth_follows_the_price_of_a_draft_forward() -> None:
         d, _ = priced(StepPrices(1, TARGET, StepCost(forward, 0.0)), num_speculative_tokens=8, max_nodes=64)
         depths.append(d.propose([request(d, [5, 6])])[0].max_depth)
     assert depths[0] == 8 and depths == sorted(depths, reverse=True) and depths[-1] < depths[0]
+
+
+def test_a_request_whose_draft_lags_is_left_to_wait_while_its_peers_draft() -> None:
+    """Four requests under a draft forward that pays at one row each; one of them sat out 40 steps
+    (a planted lag): its catch-up does not pay, so it defers and the others draft."""
+    prices = StepPrices(4, TARGET, StepCost(0.004, 0.002))
+    d, runtime = priced(prices)
+    runtime.lags["d"] = 40
+    requests = [DraftRequest(req_id, np.asarray([5, 6]), d.options, 0.0) for req_id in "abcd"]
+    trees = d.propose(requests)
+    assert [t.num_nodes > 0 for t in trees] == [True, True, True, False]
+    assert runtime.deferred == ["d"] and sorted(runtime.synced) == ["a", "b", "c"]
+    runtime.lags.clear()  # caught up, it drafts too
+    d.plan_step(prices)
+    assert all(t.num_nodes for t in d.propose(requests))
 
 
 def test_dear_forwards_switch_the_draft_off_but_for_probes() -> None:

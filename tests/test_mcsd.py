@@ -69,10 +69,15 @@ class FakeRuntime:
         self.confident_below = confident_below
         self.paths: dict[str, list[tuple[int, ...]]] = {}
         self.fed: list[int] = []
+        #: committed tokens the draft lacks, by request (planted: steps it sat out)
+        self.lags: dict[str, int] = {}
 
     @property
     def live_requests(self) -> int:
         return len(self.paths)
+
+    def sync_rows(self, req_id, token_ids):
+        return 1 + self.lags.get(req_id, 0)
 
     def sync_many(self, requests):
         for req_id, _, _ in requests:

@@ -180,7 +180,7 @@ BATCH_TOKENS = 64
 
 def _log_forwards(worker) -> None:
     """Log the rows of every forward of the engine's draft (``forward_rows``), and per ``sync_many``
-    call the requests it answered and its forwards' rows (``syncs``)."""
+    call the requests it answered, its forwards' rows and the rows ``sync_rows`` foretold (``syncs``)."""
     runtime = worker.model_runner.draft_runtime
     runtime.forward_rows, runtime.syncs, sync_many = [], [], runtime.sync_many
     runtime.draft.model.register_forward_pre_hook(
@@ -189,8 +189,10 @@ def _log_forwards(worker) -> None:
 
     def logged(requests):
         first = len(runtime.forward_rows)
+        foretold = [runtime.sync_rows(req_id, tokens) for req_id, tokens, _ in requests]
         results = sync_many(requests)
-        runtime.syncs.append((sum(r is not None for r in results), runtime.forward_rows[first:]))
+        foretold = sum(rows for rows, result in zip(foretold, results) if result is not None)
+        runtime.syncs.append((sum(r is not None for r in results), runtime.forward_rows[first:], foretold))
         return results
 
     runtime.sync_many = logged
@@ -232,8 +234,10 @@ def test_a_catch_up_on_long_prompts_runs_in_forwards_within_max_num_batched_toke
     forwards = llm.collective_rpc(_forwards)[0]
     assert max(forwards["rows"]) == BATCH_TOKENS, forwards["rows"]
     # every prompt caught up in a sync of several forwards, one such sync for several prompts
-    caught_up = [requests for requests, rows in forwards["syncs"] if len(rows) > 1]
+    caught_up = [requests for requests, rows, _ in forwards["syncs"] if len(rows) > 1]
     assert sum(caught_up) == len(prompts) and max(caught_up) > 1, forwards["syncs"]
+    # what the gate prices a request's share of a sync at is what the sync fed (kept nodes, catch-ups)
+    assert all(sum(rows) == foretold for _, rows, foretold in forwards["syncs"]), forwards["syncs"]
     result = llm.collective_rpc(_check, args=(wide_draft,))[0]
     assert result["counts"]["sync"] > len(prompts), result
     assert result["worst"]["sync"] < ATOL and result["worst"]["extend"] < ATOL, result["worst"]
@@ -246,20 +250,20 @@ def _search_pool(worker) -> dict:
 
 
 def _count_sync_rows(worker) -> None:
-    """Count the rows the engine's draft is fed after each step (``sync_step``) in ``sync_rows``."""
+    """Count the rows the engine's draft is fed after each step (``sync_step``) in ``rows_after_steps``."""
     runtime, counts = worker.model_runner.draft_runtime, worker.model_runner.tree_counts
-    runtime.sync_rows, sync_step = 0, runtime.sync_step
+    runtime.rows_after_steps, sync_step = 0, runtime.sync_step
 
     def counted() -> None:
         before = counts.draft_rows
         sync_step()
-        runtime.sync_rows += counts.draft_rows - before
+        runtime.rows_after_steps += counts.draft_rows - before
 
     runtime.sync_step = counted
 
 
 def _sync_rows(worker) -> int:
-    return worker.model_runner.draft_runtime.sync_rows
+    return worker.model_runner.draft_runtime.rows_after_steps
 
 
 def test_beam_search_drafts_in_the_worker_with_exact_logits_and_frees_its_blocks(

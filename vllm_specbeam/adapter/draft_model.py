@@ -440,6 +440,15 @@ class PagedDraftRuntime:
             self._key_fed_blocks(request, blocks, tokens)
         return results
 
+    def sync_rows(self, req_id: str, token_ids: Sequence[int] | np.ndarray) -> int:
+        request, length = self._requests.get(req_id), len(token_ids)
+        if request is None:
+            return length  # a prefix hit may hold some of them: priced as none (it reads nothing here)
+        kv_len = request.kv_len
+        if request.tokens and kv_len == request.length and length > request.length:  # as _keep_accepted
+            kv_len += len(committed_path(request.tokens, request.parents, token_ids[request.length :]))
+        return length - min(kv_len, length - 1)
+
     def extend_many(self, nodes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
         return self._forward([self._tree_feed(req_id, tokens, parents) for req_id, tokens, parents in nodes], False)
 

@@ -103,6 +103,12 @@ class StepLedger:
         more = float(self.target.seconds(self.rows + rows)) - float(self.target.seconds(self.rows))
         return more + self.draft_price(forwards)
 
+    def marginal_price(self, rows: int, fed: int, fixed: int = 0) -> float:
+        """Seconds a candidate's ``rows`` verified rows and ``fed`` rows of a draft forward add,
+        past what the forward costs anyway (its intercept, or ``fixed`` rows fed whatever it costs)."""
+        draft = 0.0 if self.draft is None else float(self.draft.seconds(fixed + fed)) - float(self.draft.seconds(fixed))
+        return self.price(rows) + draft
+
     def pays(self, gain: float, rows: int, forwards: Sequence[int] = ()) -> bool:
         """Whether ``gain`` expected tokens for ``rows`` rows and ``forwards`` raise tokens per second."""
         return gain > 0 and gain * self.seconds > self.tokens * self.price(rows, forwards)
@@ -125,14 +131,19 @@ def paying_share(
 ) -> list[int]:
     """Which candidates (each ``gains`` expected tokens for ``rows`` verified rows, feeding ``fed``
     rows to one draft forward they share with ``fixed`` rows fed whatever it costs) join: the most
-    valuable first, as many as maximise the step's tokens per second, none if no share pays for
-    its part of the forward. Nothing is added to ``ledger``.
+    tokens per second of their own first (:meth:`StepLedger.marginal_price`; with equal rows and
+    fed rows, the most valuable first), as many as maximise the step's tokens per second, none if
+    no share pays for its part of the forward. With straight lines that is the best of every
+    subset: a share beats the step's rate only by holding every candidate whose own rate does.
+    Nothing is added to ``ledger``.
 
     Example: ``T = 4``, ``C(R) = 40 + 0.5 max(0, R - 4)`` ms, ``D(rows) = 6 + 1 rows`` ms, gains
     ``[0.9, 0.8, 0.1]``, a row and a fed row each: one candidate gives 4.9 / 47.5, two 5.7 / 49,
-    three 5.8 / 50.5: two join (0.1163 tokens a millisecond; 0.1149 with all three).
+    three 5.8 / 50.5: two join (0.1163 tokens a millisecond; 0.1149 with all three). Had the
+    first sat out 40 steps (41 rows fed), the second would join alone: 4.8 / 47.5.
     """
-    order = sorted(range(len(gains)), key=lambda k: -gains[k])
+    own = [gains[k] / max(ledger.marginal_price(rows[k], fed[k], fixed), 1e-12) for k in range(len(gains))]
+    order = sorted(range(len(gains)), key=lambda k: -own[k])
     best, best_rate, tokens, more_rows, more_fed = 0, ledger.tokens / ledger.seconds, ledger.tokens, 0, 0
     for count, k in enumerate(order, 1):
         tokens, more_rows, more_fed = tokens + gains[k], more_rows + rows[k], more_fed + fed[k]
@@ -145,8 +156,12 @@ def paying_share(
 class DraftGate:
     """Which requests a step's draft model drafts for (:func:`paying_share`).
 
+    A request's share of the draft's forward is the rows its sync feeds: one
+    when the draft kept the K/V of what it drafted, more after steps it sat
+    out (the committed tokens the draft lacks, fed then). So a batch that
+    rested catches up only where the catch-up pays; the others keep waiting.
     A draft's value is learnt only from its tries, so when no share pays, the
-    most valuable request is drafted alone, with one node, on a back-off
+    request of the most tokens per second is drafted alone, with one node, on a back-off
     (after 1, 2, 4, 8 refused steps): a value that fell below its price can
     rise again, at the price of one small forward in several steps.
     """
@@ -154,16 +169,20 @@ class DraftGate:
     def __init__(self) -> None:
         self.rest = BackOff()
 
-    def choose(self, ledger: StepLedger, gains: Sequence[float], rows: Sequence[int]) -> list[int]:
-        """The requests that draft (one row each in the draft's forward: it kept the K/V of what it
-        drafted), their forward charged to ``ledger``; a probe sets :attr:`StepLedger.probing`."""
-        chosen = paying_share(ledger, gains, rows, [1] * len(gains))
+    def choose(
+        self, ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int] | None = None
+    ) -> list[int]:
+        """The requests that draft (``fed``: the rows each one's sync feeds the draft, one each when
+        not given), their forward charged to ``ledger``; a probe sets :attr:`StepLedger.probing`."""
+        fed = [1] * len(gains) if fed is None else fed
+        chosen = paying_share(ledger, gains, rows, fed)
         if chosen:
             self.rest.after(paid=True)
-        elif gains and self.rest.allows():
+        elif gains and self.rest.allows():  # the probe: the most tokens per second of its own
             self.rest.after(paid=False)
-            chosen, ledger.probing = [max(range(len(gains)), key=lambda k: gains[k])], True
-        ledger.add(0.0, 0, [len(chosen)])
+            own = [g / max(ledger.marginal_price(r, f), 1e-12) for g, r, f in zip(gains, rows, fed)]
+            chosen, ledger.probing = [max(range(len(gains)), key=lambda k: own[k])], True
+        ledger.add(0.0, 0, [sum(fed[k] for k in chosen)])
         return chosen
 
 

@@ -34,6 +34,12 @@ class DraftRuntime(Protocol):
         """
         ...
 
+    def sync_rows(self, req_id: str, token_ids: Sequence[int] | np.ndarray) -> int:
+        """The rows :meth:`sync_many` would feed for ``req_id`` at these committed tokens: the
+        tokens the draft lacks (after it keeps what it drafted and the target accepted), the last
+        one at least. A request it never fed: all of them. Reads only: nothing is fed."""
+        ...
+
     def extend_many(self, nodes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
         """For ``(req_id, tokens, parents)`` triples, one tree depth each: logits
         ``[len(tokens), vocab_size]`` at the new nodes.

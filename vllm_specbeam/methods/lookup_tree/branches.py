@@ -278,12 +278,16 @@ class LookupBranches:
         ]
 
     def priced(
-        self, requests: Sequence[DraftRequest], splits: list[LookupSplit], ledger: StepLedger
+        self,
+        runtime: DraftRuntime,
+        requests: Sequence[DraftRequest],
+        splits: list[LookupSplit],
+        ledger: StepLedger,
     ) -> list[LookupSplit]:
         """``splits`` with the lookup nodes' values and rows in ``ledger``, and the draft only for the
-        ``"stop_threshold": "auto"`` requests whose first level pays for its forward
-        (:class:`~vllm_specbeam.core.controller.DraftGate`, valued by the learnt rates; the forward is
-        charged here, the levels as they are drafted)."""
+        ``"stop_threshold": "auto"`` requests whose first level pays for their share of its forward,
+        catch-up included (:class:`~vllm_specbeam.core.controller.DraftGate`, valued by the learnt
+        rates; the forward is charged here, the levels as they are drafted)."""
         ledger.add(sum(split.value for split in splits), sum(split.verified.num_nodes for split in splits))
         candidates = [
             k
@@ -293,7 +297,8 @@ class LookupBranches:
         if not candidates:
             return splits
         first = [splits[k].fill_first for k in candidates]
-        drafting = self.gate.choose(ledger, [sum(values) for values in first], [len(values) for values in first])
+        fed = [runtime.sync_rows(requests[k].req_id, requests[k].token_ids) for k in candidates]
+        drafting = self.gate.choose(ledger, [sum(values) for values in first], [len(values) for values in first], fed)
         chosen = {candidates[k]: 1 if ledger.probing else splits[candidates[k]].fill_nodes for k in drafting}
         return [
             dataclasses.replace(split, fill_nodes=chosen.get(k, 0)) if k in candidates else split
@@ -317,7 +322,7 @@ class LookupBranches:
         ``mix(request, lookup, DraftTree.empty())``."""
         splits = self.split(requests, fills, auto_threshold=None if ledger is not None else unpriced_threshold)
         if ledger is not None:
-            splits = self.priced(requests, splits, ledger)
+            splits = self.priced(runtime, requests, splits, ledger)
         drafting = [k for k, split in enumerate(splits) if split.fill_nodes > 0]
         for k in drafting:
             self.drafted_at[requests[k].req_id] = requests[k].token_ids.size

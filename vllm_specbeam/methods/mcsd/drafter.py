@@ -361,7 +361,8 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         self, runtime: DraftRuntime, requests: list[DraftRequest], ledger: StepLedger | None
     ) -> list[DraftTree]:
         """The draft's trees without lookup branches; priced, only for the requests whose first
-        level's learnt value pays for the draft forward (the others run none: ``runtime.defer``)."""
+        level's learnt value pays for their share of the draft forward, catch-up included (the
+        others run none: ``runtime.defer``)."""
         for request in requests:
             self.values.judge(request.req_id, request.token_ids)
         drafting, caps = list(range(len(requests))), list[int | None]([None] * len(requests))
@@ -369,7 +370,8 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
             gated = [k for k, r in enumerate(requests) if r.options["stop_threshold"] == AUTO]
             shapes = [_first_level(tuple(requests[k].options["k_config"])) for k in gated]
             first = [path_values(shape, self.values.rates(requests[k].req_id)) for shape, k in zip(shapes, gated)]
-            chosen = [gated[k] for k in self.gate.choose(ledger, [sum(v) for v in first], [len(v) for v in first])]
+            fed = [runtime.sync_rows(requests[k].req_id, requests[k].token_ids) for k in gated]
+            chosen = [gated[k] for k in self.gate.choose(ledger, [sum(v) for v in first], [len(v) for v in first], fed)]
             drafting = sorted(set(drafting) - set(gated) | set(chosen))
             caps = [1 if ledger.probing and k in chosen else None for k in drafting]
             runtime.defer([r.req_id for k, r in enumerate(requests) if k not in drafting])
