@@ -71,6 +71,16 @@ def goodput(ledger: StepLedger, gains, rows, fed, chosen) -> float:
     )
 
 
+def assert_best_of_every_subset(ledger: StepLedger, gains, rows, fed) -> None:
+    chosen = paying_share(ledger, gains, rows, fed)
+    best = max(
+        goodput(ledger, gains, rows, fed, list(subset))
+        for size in range(len(gains) + 1)
+        for subset in combinations(range(len(gains)), size)
+    )
+    assert goodput(ledger, gains, rows, fed, chosen) == pytest.approx(best)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_paying_share_equals_brute_force(seed: int) -> None:
     """With equal rows and fed rows per candidate the best share of size k is the k most valuable:
@@ -81,13 +91,7 @@ def test_paying_share_equals_brute_force(seed: int) -> None:
     assert ledger is not None
     count, width = int(rng.integers(1, 7)), int(rng.integers(1, 4))
     gains, rows, fed = rng.uniform(0, 1.5, count).tolist(), [width] * count, [1] * count
-    chosen = paying_share(ledger, gains, rows, fed)
-    best = max(
-        goodput(ledger, gains, rows, fed, list(subset))
-        for size in range(count + 1)
-        for subset in combinations(range(count), size)
-    )
-    assert goodput(ledger, gains, rows, fed, chosen) == pytest.approx(best)
+    assert_best_of_every_subset(ledger, gains, rows, fed)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -101,13 +105,7 @@ def test_paying_share_of_unequal_candidates_equals_brute_force_on_straight_lines
     count = int(rng.integers(1, 7))
     gains = rng.uniform(0, 1.5, count).tolist()
     rows, fed = rng.integers(1, 4, count).tolist(), rng.integers(1, 40, count).tolist()
-    chosen = paying_share(ledger, gains, rows, fed)
-    best = max(
-        goodput(ledger, gains, rows, fed, list(subset))
-        for size in range(count + 1)
-        for subset in combinations(range(count), size)
-    )
-    assert goodput(ledger, gains, rows, fed, chosen) == pytest.approx(best)
+    assert_best_of_every_subset(ledger, gains, rows, fed)
 
 
 def test_the_utility_example() -> None:
