@@ -214,14 +214,14 @@ def test_the_gate_probes_the_best_request_alone_on_a_back_off() -> None:
     for step in range(30):
         ledger = StepLedger.of(StepPrices(2, TARGET, DEAR))
         assert ledger is not None
-        chosen = gate.choose(ledger, [0.2, 0.7], [1, 1])
+        chosen = gate.choose(ledger, [0.2, 0.7], [1, 1], [1, 1])
         if chosen:
             assert chosen == [1] and ledger.probing
             probes.append(step)
     assert probes == [0, 2, 5, 10, 19, 28]
     ledger = StepLedger.of(StepPrices(2, TARGET, FREE))
     assert ledger is not None
-    assert gate.choose(ledger, [0.2, 0.7], [1, 1]) == [0, 1] and not ledger.probing
+    assert gate.choose(ledger, [0.2, 0.7], [1, 1], [1, 1]) == [0, 1] and not ledger.probing
     assert ledger.draft_seconds == 0.0 and ledger.rows == 2  # the forward is charged, the levels are not
 
 

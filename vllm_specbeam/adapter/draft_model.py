@@ -150,6 +150,14 @@ class _Request:
         return slot
 
 
+def _accepted_path(request: _Request, committed: Sequence[int] | np.ndarray) -> list[int] | None:
+    """Last round's nodes (fed this round) that ``committed`` (the tokens after the root) walks;
+    ``None`` when nothing was committed since the round, or no tree was fed."""
+    if not len(committed) or not request.tokens or request.kv_len != request.length:
+        return None
+    return committed_path(request.tokens, request.parents, committed)
+
+
 @dataclasses.dataclass(kw_only=True)
 class _Feed:
     """The rows one forward computes for one request."""
@@ -444,10 +452,8 @@ class PagedDraftRuntime:
         request, length = self._requests.get(req_id), len(token_ids)
         if request is None:
             return length  # a prefix hit may hold some of them: priced as none (it reads nothing here)
-        kv_len = request.kv_len
-        if request.tokens and kv_len == request.length and length > request.length:  # as _keep_accepted
-            kv_len += len(committed_path(request.tokens, request.parents, token_ids[request.length :]))
-        return length - min(kv_len, length - 1)
+        kept = _accepted_path(request, token_ids[request.length :]) or []
+        return length - min(request.kv_len + len(kept), length - 1)
 
     def extend_many(self, nodes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
         return self._forward([self._tree_feed(req_id, tokens, parents) for req_id, tokens, parents in nodes], False)
@@ -529,9 +535,9 @@ class PagedDraftRuntime:
     def _keep_accepted(self, request: _Request, blocks: torch.Tensor, committed: Sequence[int]) -> None:
         """Make the K/V of last round's nodes that ``committed`` (the tokens after the root) walks
         the draft's K/V of those tokens (the module docstring's example); ``request.kv_len`` then counts them."""
-        if not len(committed) or not request.tokens or request.kv_len != request.length:
-            return  # nothing committed since the round, or no tree fed
-        path = committed_path(request.tokens, request.parents, committed)  # nodes fed this round
+        path = _accepted_path(request, committed)
+        if path is None:
+            return
         moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
         if moved:
             targets = [request.length + depth for _, depth in moved]

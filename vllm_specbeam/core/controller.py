@@ -126,6 +126,13 @@ class StepLedger:
         return paid
 
 
+def own_rates(
+    ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int], fixed: int = 0
+) -> list[float]:
+    """Each candidate's expected tokens per second of its own (:meth:`StepLedger.marginal_price`)."""
+    return [g / max(ledger.marginal_price(r, f, fixed), 1e-12) for g, r, f in zip(gains, rows, fed)]
+
+
 def paying_share(
     ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int], fixed: int = 0
 ) -> list[int]:
@@ -142,7 +149,7 @@ def paying_share(
     three 5.8 / 50.5: two join (0.1163 tokens a millisecond; 0.1149 with all three). Had the
     first sat out 40 steps (41 rows fed), the second would join alone: 4.8 / 47.5.
     """
-    own = [gains[k] / max(ledger.marginal_price(rows[k], fed[k], fixed), 1e-12) for k in range(len(gains))]
+    own = own_rates(ledger, gains, rows, fed, fixed)
     order = sorted(range(len(gains)), key=lambda k: -own[k])
     best, best_rate, tokens, more_rows, more_fed = 0, ledger.tokens / ledger.seconds, ledger.tokens, 0, 0
     for count, k in enumerate(order, 1):
@@ -169,18 +176,15 @@ class DraftGate:
     def __init__(self) -> None:
         self.rest = BackOff()
 
-    def choose(
-        self, ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int] | None = None
-    ) -> list[int]:
-        """The requests that draft (``fed``: the rows each one's sync feeds the draft, one each when
-        not given), their forward charged to ``ledger``; a probe sets :attr:`StepLedger.probing`."""
-        fed = [1] * len(gains) if fed is None else fed
+    def choose(self, ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int]) -> list[int]:
+        """The requests that draft (``fed``: the rows each one's sync feeds the draft), their forward
+        charged to ``ledger``; a probe sets :attr:`StepLedger.probing`."""
         chosen = paying_share(ledger, gains, rows, fed)
         if chosen:
             self.rest.after(paid=True)
         elif gains and self.rest.allows():  # the probe: the most tokens per second of its own
             self.rest.after(paid=False)
-            own = [g / max(ledger.marginal_price(r, f), 1e-12) for g, r, f in zip(gains, rows, fed)]
+            own = own_rates(ledger, gains, rows, fed)
             chosen, ledger.probing = [max(range(len(gains)), key=lambda k: own[k])], True
         ledger.add(0.0, 0, [sum(fed[k] for k in chosen)])
         return chosen
