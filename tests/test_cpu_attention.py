@@ -17,7 +17,7 @@ from vllm_specbeam.adapter.attention import cpu
 from vllm_specbeam.adapter.attention.cpu import TreeStep, _split_kv, block_layout, move_kv, recompute_tree_rows
 from vllm_specbeam.core.tree import ROOT, DraftTree
 
-HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 32, 32
+HEADS, KV_HEADS, HEAD, BLOCK = 6, 2, 32, 32  # 3 query heads a kv head: a head-order mistake shows
 
 
 def isa_for(dtype: torch.dtype) -> str:
@@ -66,68 +66,51 @@ def test_layout_round_trip(dtype):
     assert torch.equal(read_v[0], values.transpose(0, 1))
 
 
+@pytest.mark.parametrize("layout", ["strided", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_strided_gather_reads_what_the_element_gather_reads(dtype, monkeypatch):
-    """Whole blocks read through the layout's strides (the ``vec`` ISA) give each request's keys
-    and values exactly, in the compute dtype, as the element-wise gather does (the only path
-    for a packed layout)."""
+def test_tree_attention_matches_dense_masked_attention(dtype, layout, monkeypatch):
+    """The tree rows, read block by block through the layout's strides (the ``vec`` ISA) or
+    element by element (a packed layout), equal dense masked attention over the visible keys."""
+    torch.manual_seed(0)
     isa = isa_for(dtype)
     assert (cpu.block_strides(isa, dtype, KV_HEADS, BLOCK, HEAD) is not None) == (isa == "vec")
-    cache = torch.randn(6, KV_HEADS, BLOCK, 2 * HEAD).to(dtype)
-    block_table = torch.tensor([[3, 1, 5], [0, 4, 2], [1, 1, 1]])
-    layer, num_keys = SimpleNamespace(isa=isa), 2 * BLOCK + 7
-    step = TreeStep(
-        torch.tensor([1, 0]),
-        torch.zeros(0),
-        torch.zeros(0),
-        torch.zeros(2, 1, num_keys, dtype=torch.bool),
-        torch.zeros(0),
-        torch.zeros(0),
-    )
-    expected = [t.to(torch.float32) for t in read_kv(layer, cache, block_table[[1, 0]], num_keys)]
-    got = step.gather_kv(layer, cache, block_table, torch.float32)
-    monkeypatch.setattr(cpu, "block_strides", lambda *args: None)
-    packed = step.gather_kv(layer, cache, block_table, torch.float32)
-    for read in (got, packed):
-        assert all(t.dtype == torch.float32 and t.shape == (2, KV_HEADS, num_keys, HEAD) for t in read)
-        assert all(torch.equal(a, b) for a, b in zip(read, expected))
-
-
-def test_tree_attention_matches_dense_masked_attention():
-    torch.manual_seed(0)
-    dtype = torch.float32
-    isa = isa_for(dtype)
+    if layout == "packed":
+        monkeypatch.setattr(cpu, "block_strides", lambda *args: None)
     tree = DraftTree(tokens=[0] * 5, parents=[ROOT, ROOT, 0, 0, 2])  # rows 2..5 need the tree mask
-    contexts = [7, 40]  # the second crosses a block boundary
-    trees = [DraftTree.chain([0, 0, 0]), tree]  # the chain is left to the stock kernel
-    cache = torch.zeros(8, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype)
-    block_table = torch.tensor([[5, 2, 6], [0, 7, 4]])
+    contexts = [7, 40, 70]  # the second crosses a block boundary, the third spans three blocks
+    trees = [DraftTree.chain([0, 0, 0]), tree, DraftTree(tokens=[0] * 3, parents=[ROOT, ROOT, 1])]
+    cache = torch.zeros(12, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype)
+    block_table = torch.tensor([[5, 2, 6], [0, 7, 4], [9, 3, 11]])
     rows = [c + t.num_nodes + 1 for c, t in zip(contexts, trees)]
-    keys = [torch.randn(n, KV_HEADS, HEAD) for n in rows]
-    values = [torch.randn(n, KV_HEADS, HEAD) for n in rows]
+    keys = [torch.randn(n, KV_HEADS, HEAD).to(dtype) for n in rows]
+    values = [torch.randn(n, KV_HEADS, HEAD).to(dtype) for n in rows]
     for r, n in enumerate(rows):
         pos = torch.arange(n)
         write(cache, keys[r], values[r], block_table[r, pos // BLOCK] * BLOCK + pos % BLOCK, isa)
     num_tokens = sum(t.num_nodes + 1 for t in trees) + 3  # three rows of another request stay untouched
-    query = torch.randn(num_tokens, HEADS, HEAD)
-    output = torch.full((num_tokens, HEADS * HEAD), 7.0)
-    first_rows = [3, 3 + trees[0].num_nodes + 1]
-    step = TreeStep.build([0, 1], first_rows, contexts, trees)
-    assert step.req_indices.tolist() == [1]
-    assert step.query_rows[step.row_valid].tolist() == [first_rows[1] + i for i in (2, 3, 4, 5)]
+    query = torch.randn(num_tokens, HEADS, HEAD).to(dtype)
+    output = torch.full((num_tokens, HEADS * HEAD), 7.0, dtype=dtype)
+    first_rows = [3, 3 + trees[0].num_nodes + 1, 3 + trees[0].num_nodes + trees[1].num_nodes + 2]
+    step = TreeStep.build([0, 1, 2], first_rows, contexts, trees)
+    assert step.req_indices.tolist() == [1, 2]
+    recomputed = {1: (2, 3, 4, 5), 2: (2, 3)}
+    assert step.query_rows[step.row_valid].tolist() == [first_rows[r] + i for r in (1, 2) for i in recomputed[r]]
     impl = SimpleNamespace(scale=1 / math.sqrt(HEAD), num_heads=HEADS, head_size=HEAD)
     recompute_tree_rows(impl, SimpleNamespace(isa=isa), query, cache, block_table, output, step)
 
     assert (output[:3] == 7.0).all() and (output[first_rows[0] : first_rows[1] + 2] == 7.0).all()
-    r, ctx, t, first = 1, contexts[1], trees[1], first_rows[1]
-    for i in (2, 3, 4, 5):  # the recomputed rows
-        visible = list(range(ctx)) + [ctx + j for j in range(t.num_nodes + 1) if t.ancestor_mask[i, j]]
-        k = keys[r][visible].repeat_interleave(HEADS // KV_HEADS, dim=1)  # [keys, H, D]
-        v = values[r][visible].repeat_interleave(HEADS // KV_HEADS, dim=1)
-        q = query[first + i]  # [H, D]
-        weights = torch.softmax(torch.einsum("hd,khd->hk", q, k) / math.sqrt(HEAD), dim=-1)
-        expected = torch.einsum("hk,khd->hd", weights, v).reshape(-1)
-        torch.testing.assert_close(output[first + i], expected, atol=1e-5, rtol=1e-5)
+    assert (output[first_rows[2] : first_rows[2] + 2] == 7.0).all()
+    for r in (1, 2):
+        ctx, t, first = contexts[r], trees[r], first_rows[r]
+        for i in recomputed[r]:
+            visible = list(range(ctx)) + [ctx + j for j in range(t.num_nodes + 1) if t.ancestor_mask[i, j]]
+            k = keys[r][visible].float().repeat_interleave(HEADS // KV_HEADS, dim=1)  # [keys, H, D]
+            v = values[r][visible].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
+            q = query[first + i].float()  # [H, D]
+            weights = torch.softmax(torch.einsum("hd,khd->hk", q, k) / math.sqrt(HEAD), dim=-1)
+            expected = torch.einsum("hk,khd->hd", weights, v).reshape(-1).to(dtype)
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(output[first + i], expected, atol=tolerance, rtol=tolerance)
 
 
 def test_move_kv_handles_overlapping_moves_in_every_layer():
