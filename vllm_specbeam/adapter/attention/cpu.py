@@ -36,7 +36,7 @@ class _BlockPlan:
 
     block_ids: torch.Tensor  # [R x blocks per request]: each request's first blocks, in order
     per_request: int  # blocks per request, enough for the widest key window
-    bias: torch.Tensor  # [R, 1, 1, Qmax, blocks per request x block size]: 0 where a row sees the key, -inf else
+    hidden: torch.Tensor  # [R, 1, 1, Qmax, blocks per request x block size] bool: keys a row must not see
 
 
 @dataclass
@@ -132,9 +132,9 @@ class TreeStep:
             requests, rows, num_keys = self.key_mask.shape
             per_request = -(-num_keys // block_size)
             ids = block_table[self.req_indices][:, :per_request].reshape(-1).to(torch.int64)
-            bias = torch.full((requests, 1, 1, rows, per_request * block_size), -torch.inf)  # [R, 1, 1, Qmax, keys]
-            bias[..., :num_keys].masked_fill_(self.key_mask[:, None, None], 0.0)
-            self._blocks[block_size] = _BlockPlan(ids, per_request, bias)
+            hidden = torch.ones((requests, 1, 1, rows, per_request * block_size), dtype=torch.bool)
+            hidden[..., :num_keys] = ~self.key_mask[:, None, None]
+            self._blocks[block_size] = _BlockPlan(ids, per_request, hidden)
         return self._blocks[block_size]
 
     def gather_index(self, layer: torch.nn.Module, kv_cache: torch.Tensor, block_table: torch.Tensor):
@@ -295,9 +295,9 @@ def blockwise_attention(
 ) -> torch.Tensor:
     """Masked attention of ``q`` ``[R, Qmax, Hq, D]`` (float32) over each request's cache blocks,
     read in place through the layout's strides: one copy of the blocks (converted to float32),
-    a score matmul per block, one softmax across blocks. A third of the cost of gathering the
-    keys and values densely first (2 CPU cores, SmolLM2's shapes, 300 keys: 0.2 against 0.33 ms a
-    layer), which is most of what a branching tree adds to a step on CPU."""
+    a score matmul per block, one softmax across blocks (hidden keys' scores set to -inf, as
+    SDPA does with a boolean mask). At SmolLM2's shapes and 300 keys, 0.2 ms a layer against
+    0.3 for dense keys and values gathered for SDPA (benchmarks/cpu_tree_rows.py)."""
     requests, rows, q_heads, head = q.shape
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     group, per = q_heads // kv_heads, plan.per_request
@@ -324,7 +324,8 @@ def blockwise_attention(
     )
     scores = torch.matmul(grouped, keys_t)  # [R, per, Hkv, group x Qmax, block]
     scores = scores.view(requests, per, kv_heads, group, rows, block_size).permute(0, 2, 3, 4, 1, 5)
-    scores = scores.reshape(requests, kv_heads, group, rows, per * block_size).mul_(scale).add_(plan.bias)
+    scores = scores.reshape(requests, kv_heads, group, rows, per * block_size).mul_(scale)
+    scores.masked_fill_(plan.hidden, -torch.inf)
     weights = torch.softmax(scores, dim=-1).view(requests, kv_heads, group * rows, per, block_size)
     out = torch.matmul(weights.permute(0, 3, 1, 2, 4), values).sum(1)  # [R, Hkv, group x Qmax, D]
     return out.view(requests, kv_heads, group, rows, head).permute(0, 3, 1, 2, 4).reshape(requests, rows, q_heads, head)
