@@ -168,14 +168,16 @@ class SuffixChain:
 class LookupTree:
     """The plugin's ``lookup_tree`` with its step budget (``auto``) or at its node cap (``cap``)."""
 
-    def __init__(self, options: dict[str, Any], policy: str, line: StepCost) -> None:
+    def __init__(self, options: dict[str, Any], policy: str, line: StepCost, branch: float = 0.0) -> None:
         self.options = dict(options)
         self.policy = policy
         scope = "global" if options["scope"] == "global" else "request"
         self.name = f"lookup_tree {scope} {policy} (d{options['num_speculative_tokens']}/n{node_cap(options)})"
         self.drafter = METHODS["lookup_tree"].drafter_class()(self.options)
         self.budget = StepBudget()
-        self.budget.cost = line
+        # chains on ``line``; a step whose trees branch pays ``branch`` more (the CPU's off-branch rows)
+        self.budget.chain_cost = line
+        self.budget.cost = StepCost(line.intercept + branch, line.slope)
 
     def _propose(self, req_id: str, context: np.ndarray, depth: int, nodes: int) -> DraftTree:
         options = {**self.options, "num_speculative_tokens": depth, "max_nodes": nodes}
@@ -317,13 +319,13 @@ def losses(result: Result) -> dict[str, tuple[int, int]]:
     return {c: (steps, lost) for c, (steps, lost) in out.items()}
 
 
-def contenders(line: StepCost, also: list[dict[str, Any]] = ()) -> list[Contender]:
+def contenders(line: StepCost, also: list[dict[str, Any]] = (), branch: float = 0.0) -> list[Contender]:
     """``suffix`` k24, then ``lookup_tree`` in both scopes and each of ``also`` (more options), ``auto`` and ``cap``."""
     made: list[Contender] = [SuffixChain()]
     for user in ({}, {"scope": "global"}, *also):
         options = parse({"method": "lookup_tree", **user}).options
         for policy in ("auto", "cap"):
-            made.append(LookupTree(options, policy, line))
+            made.append(LookupTree(options, policy, line, branch))
             if user in also:
                 made[-1].name += " " + json.dumps(user)
     return made
@@ -361,6 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the step budget's cost line (default: about the main job's fitted line at batch 1)",
     )
     parser.add_argument(
+        "--branch",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="what a step whose trees branch costs more than a step of chains (on CPU: the off-branch rows)",
+    )
+    parser.add_argument(
         "--also",
         type=json.loads,
         default=[],
@@ -371,10 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     prompts, answers = load_recorded(args.outputs, args.model, args.prompts, args.batch_size)
-    results = [replay(c, prompts, answers) for c in contenders(StepCost(*args.line), args.also)]
+    results = [replay(c, prompts, answers) for c in contenders(StepCost(*args.line), args.also, args.branch)]
     head = (
         f"{len(answers)} requests one after another, {sum(map(len, answers))} answer tokens; "
-        f"budget line {args.line[0] * 1e3:g} ms + {args.line[1] * 1e3:g} ms a row; "
+        f"budget line {args.line[0] * 1e3:g} ms + {args.line[1] * 1e3:g} ms a row, "
+        f"{args.branch * 1e3:g} ms more when a tree branches; "
         "losses: steps, and tokens short of the available"
     )
     command = shlex.join(["python", "benchmarks/suffix_replay.py", *(sys.argv[1:] if argv is None else argv)])

@@ -6,7 +6,8 @@ drafts before its tri-gram search).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from vllm_specbeam.core.tree import DraftTree
 
 @dataclass(frozen=True)
 class Matches:
-    """Where the query's longest matched suffix n-gram ends in a haystack, most recent first."""
+    """Where one suffix n-gram of the query ends in a haystack, most recent first."""
 
     ends: np.ndarray  # [matches]
     length: int  # the n-gram's length (0: none of at least the minimum)
@@ -24,38 +25,151 @@ class Matches:
 NO_MATCH = Matches(np.zeros(0, np.int64), 0)
 
 
-def match_ends(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) -> Matches:
-    """Occurrences in ``haystack`` of the longest suffix n-gram of ``query``.
+def match_levels(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) -> list[Matches]:
+    """Occurrences in ``haystack`` of the suffix n-grams of ``query``, ``n`` in ``[min_n, max_n]``,
+    longest first: one entry per distinct set of occurrences, at the longest ``n`` that has it.
 
-    Looks for the suffix of length ``n`` for the largest ``n`` in
-    ``[min_n, max_n]`` that occurs in ``haystack``, and returns the index of
-    the last token of every such occurrence, most recent first. A request's
-    own history is ``match_ends(tokens[:-1], tokens, ...)``. Vectorised:
-    candidates are the positions of the query's last token, extended
-    backwards together. Example: haystack ``[5, 1, 2, 3, 9, 1, 2, 4]`` and a
-    query ending ``[7, 1, 2]`` match "1 2" (length 2) ending at 6 and 2.
+    Vectorised: candidates are the positions of the query's last token, extended backwards
+    together; each time some drop out, the set before is a level of its own. A request's own
+    history is ``match_levels(tokens[:-1], tokens, ...)``. Example: haystack ``[5, 1, 2, 3, 9,
+    1, 2, 4, 2]`` and a query ending ``[7, 1, 2]``: "1 2" (length 2) ends at 6 and 2, "2"
+    (length 1) at 8, 6 and 2.
     """
     length = query.size
     if length < min_n or haystack.size == 0:
-        return NO_MATCH
-    longest = np.flatnonzero(haystack == query[-1])  # [candidates]: they match 1 token
-    best = 1 if longest.size else 0
+        return []
+    alive = np.flatnonzero(haystack == query[-1])  # [candidates]: they match 1 token
+    if alive.size == 0:
+        return []
+    levels: list[Matches] = []
+    best = 1
     for k in range(1, min(max_n, length)):  # the candidates that match k + 1 tokens, while any do
-        alive = longest[longest >= k]
-        alive = alive[haystack[alive - k] == query[-1 - k]]
-        if alive.size == 0:
+        longer = alive[alive >= k]
+        longer = longer[haystack[longer - k] == query[-1 - k]]
+        if longer.size == 0:
             break
-        longest, best = alive, k + 1
-    if best < min_n:
-        return NO_MATCH
-    return Matches(longest[::-1], best)
+        if longer.size < alive.size and best >= min_n:
+            levels.append(Matches(alive[::-1], best))
+        alive, best = longer, k + 1
+    if best >= min_n:
+        levels.append(Matches(alive[::-1], best))
+    return levels[::-1]
 
 
-def continuations(tokens: np.ndarray, matches: Matches, depth: int) -> list[np.ndarray]:
-    """Up to ``depth`` tokens after each match in ``tokens`` (the haystack plus the
-    query's last token), most recent match first. Example: tokens ``[5, 1, 2, 3, 9,
-    1, 2, 4, 1, 2]`` (matches of "1 2" end at 6 and 2), depth 2: ``[[4, 1], [3, 9]]``."""
-    return [tokens[end + 1 : end + 1 + depth] for end in matches.ends]
+def match_ends(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) -> Matches:
+    """Occurrences in ``haystack`` of the longest suffix n-gram of ``query`` (``n`` in
+    ``[min_n, max_n]``), most recent first: :func:`match_levels`' first. Example: haystack
+    ``[5, 1, 2, 3, 9, 1, 2, 4]`` and a query ending ``[7, 1, 2]`` match "1 2" (length 2)
+    ending at 6 and 2."""
+    levels = match_levels(haystack, query, min_n, max_n)
+    return levels[0] if levels else NO_MATCH
+
+
+def chain_score(paths: list[np.ndarray]) -> float:
+    """The expected accepted length of the most frequent chain through ``paths`` (most recent
+    first): the sum over its tokens of the share of paths that continue through it, as suffix
+    decoding scores a draft. Example: paths ``[4, 1]``, ``[4, 2]``, ``[3]``: the chain ``4, 1``
+    scores 2/3 + 1/3 = 1."""
+    alive = [p.tolist() for p in paths]
+    score, share, depth = 0.0, 1.0, 0
+    while alive:
+        counts: dict[int, int] = {}
+        for path in alive:
+            if len(path) > depth:
+                counts[path[depth]] = counts.get(path[depth], 0) + 1
+        if not counts:
+            break
+        token = max(counts, key=counts.__getitem__)  # ties: the first seen, the most recent
+        share *= counts[token] / len(alive)
+        score += share
+        alive = [path for path in alive if len(path) > depth and path[depth] == token]
+        depth += 1
+    return score
+
+
+@dataclass(frozen=True)
+class Source:
+    """A text the recent n-gram is looked up in: its matches by length (:func:`match_levels`)
+    and what follows a match ending at an index, up to a depth."""
+
+    levels: list[Matches]
+    continuation: Callable[[int, int], np.ndarray]
+
+    @classmethod
+    def own(cls, tokens: np.ndarray, min_n: int, max_n: int) -> Source:
+        """A request's own tokens, the last one matched against those before."""
+        levels = match_levels(tokens[:-1], tokens, min_n, max_n)
+        return cls(levels, lambda end, depth: tokens[end + 1 : end + 1 + depth])
+
+    def longest(self, ends: list[int], length: int) -> list[int]:
+        """The longest match ending at each of ``ends``, the ``length``-token suffix's occurrences."""
+        lengths = [0] * len(ends)
+        for level in self.levels:  # longest first; each level's occurrences hold the longer ones'
+            if level.length <= length or all(lengths):
+                break
+            within = set(level.ends.tolist())
+            lengths = [n or (level.length if end in within else 0) for n, end in zip(lengths, ends)]
+        return [n or self.at(length).length for n in lengths]
+
+    def at(self, length: int) -> Matches:
+        """The occurrences of the ``length``-token suffix: the shortest level at least that long."""
+        covering = [level for level in self.levels if level.length >= length]
+        return covering[-1] if covering else NO_MATCH
+
+
+@dataclass(frozen=True)
+class LookupChoice:
+    """The match length chosen, and its occurrences, most recent first, earlier sources first:
+    where each ends, its source, its continuation, and the longest match it has."""
+
+    length: int
+    ends: list[int]
+    sources: list[int]
+    paths: list[np.ndarray]
+    score: float
+    lengths: list[int] = field(default_factory=list)
+
+    def tree(self, max_nodes: int) -> DraftTree:
+        """The continuations merged into one tree of at most ``max_nodes`` nodes
+        (:func:`match_tree`)."""
+        drafted = [i for i, path in enumerate(self.paths) if path.size]
+        if not drafted:
+            return DraftTree.empty()
+        return match_tree([self.paths[i] for i in drafted], [self.lengths[i] for i in drafted], max_nodes)
+
+
+def best_match(sources: Sequence[Source], depth_of: Callable[[int], int], max_matches: int) -> LookupChoice | None:
+    """Suffix decoding's rule: of every match length whose occurrences differ from a longer
+    one's, in all ``sources`` together, the one whose continuations (``depth_of(length)``
+    deep, the ``max_matches`` most recent, earlier sources first) score the most
+    (:func:`chain_score`), the longer on a tie. Longest first, stopping once a length drafts
+    no deeper than the best score. Example: a 6-token match whose one occurrence is followed
+    by ``7`` and then the text's end (score 1) loses to its last 2 tokens, seen 3 times more,
+    each followed by ``4 4``: 3/4 + 3/4 = 1.5."""
+    best: LookupChoice | None = None
+    for length in sorted({level.length for source in sources for level in source.levels}, reverse=True):
+        depth = depth_of(length)
+        if best is not None and depth <= best.score:
+            break
+        ends: list[int] = []
+        origin: list[int] = []
+        paths: list[np.ndarray] = []
+        for i, source in enumerate(sources):
+            found = source.at(length).ends[: max_matches - len(ends)].tolist()
+            ends += found
+            origin += [i] * len(found)
+            paths += [source.continuation(end, depth) for end in found]
+        score = chain_score(paths)
+        if best is None or score > best.score:
+            best = LookupChoice(length, ends, origin, paths, score)
+    if best is None:
+        return None
+    lengths = [
+        n
+        for i, source in enumerate(sources)
+        for n in source.longest([end for end, s in zip(best.ends, best.sources) if s == i], best.length)
+    ]
+    return replace(best, lengths=lengths)
 
 
 def match_kind(length: int) -> int:
@@ -67,9 +181,15 @@ def match_kind(length: int) -> int:
     return 0 if length >= 4 else 4 - max(length, 1)
 
 
-def match_tree(paths: list[np.ndarray], length: int, max_nodes: int) -> DraftTree:
-    """The continuations of a ``length``-token match merged into one tree of at most
-    ``max_nodes`` nodes, labelled with :func:`match_kind`. Equal weights: a node weighs
-    how many matches continue through it; ties go to the most recent match (``paths``
-    come most recent first)."""
-    return DraftTree.from_weighted_paths(paths, np.ones(len(paths)), max_nodes).with_kinds(match_kind(length))
+def match_tree(paths: list[np.ndarray], lengths: Sequence[int], max_nodes: int) -> DraftTree:
+    """The continuations of matches (each of ``lengths`` tokens) merged into one tree of at
+    most ``max_nodes`` nodes. Equal weights: a node weighs how many matches continue through
+    it; ties go to the most recent match (``paths`` come most recent first). A node's kind
+    (:func:`match_kind`) is that of the longest match continuing through it."""
+    tree = DraftTree.from_weighted_paths(paths, np.ones(len(paths)), max_nodes)
+    if len(set(lengths)) <= 1:  # one match length: no walk needed
+        return tree.with_kinds(match_kind(lengths[0] if lengths else 1))
+    kinds = np.full(tree.num_nodes, match_kind(1), np.int64)  # [num_nodes]
+    for nodes, length in zip(tree.walks(paths), lengths):
+        kinds[nodes] = np.minimum(kinds[nodes], match_kind(length))
+    return tree.with_kinds(kinds)

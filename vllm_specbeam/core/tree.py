@@ -270,17 +270,26 @@ class DraftTree:
         sequences from the root, another request's continuations) walks through.
         Example: tokens ``[5, 6, 7]``, parents ``[-1, 0, 0]`` and the path ``[5, 7, 9]``:
         ``[True, False, True]``."""
-        child = {key: node for node, key in enumerate(zip(self.parents.tolist(), self.tokens.tolist()))}
         marked = np.zeros(self.num_nodes, bool)  # [num_nodes]
+        for nodes in self.walks(paths):
+            marked[nodes] = True
+        return DraftTree(self.tokens, self.parents, self.draft_probs, kinds=self.kinds, from_index=marked)
+
+    def walks(self, paths: Iterable[Sequence[int] | np.ndarray]) -> list[list[int]]:
+        """The nodes each of ``paths`` (token sequences from the root) walks down, as far as the
+        tree goes. Example: tokens ``[5, 6, 7]``, parents ``[-1, 0, 0]``, paths ``[5, 7, 9]`` and
+        ``[6]``: ``[[0, 2], []]``."""
+        child = {key: node for node, key in enumerate(zip(self.parents.tolist(), self.tokens.tolist()))}
+        walked: list[list[int]] = []
         for path in paths:
-            node = ROOT
+            nodes: list[int] = []
             for token in np.asarray(path).tolist():
-                below = child.get((node, token))
+                below = child.get((nodes[-1] if nodes else ROOT, token))
                 if below is None:
                     break
-                node = below
-                marked[node] = True
-        return DraftTree(self.tokens, self.parents, self.draft_probs, kinds=self.kinds, from_index=marked)
+                nodes.append(below)
+            walked.append(nodes)
+        return walked
 
 
 def committed_path(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> list[int]:

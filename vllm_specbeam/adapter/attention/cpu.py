@@ -325,6 +325,8 @@ def blockwise_attention(
     scores = torch.matmul(grouped, keys_t)  # [R, per, Hkv, group x Qmax, block]
     scores = scores.view(requests, per, kv_heads, group, rows, block_size).permute(0, 2, 3, 4, 1, 5)
     scores = scores.reshape(requests, kv_heads, group, rows, per * block_size).mul_(scale)
+    # hidden slots (padding blocks, keys past the window) weigh exactly 0: 0 x value is 0 since
+    # vLLM 0.32 zero-fills the cache (v1/worker/utils.py allocate_kv_cache) and writes finite K/V
     scores.masked_fill_(plan.hidden, -torch.inf)
     weights = torch.softmax(scores, dim=-1).view(requests, kv_heads, group * rows, per, block_size)
     out = torch.matmul(weights.permute(0, 3, 1, 2, 4), values).sum(1)  # [R, Hkv, group x Qmax, D]

@@ -32,7 +32,7 @@ import numpy as np
 from vllm_specbeam.core.budget import FILL_KIND, BackOff
 from vllm_specbeam.core.config import Option, SpecbeamConfigError, node_cap
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
-from vllm_specbeam.core.lookup import continuations, match_ends, match_tree
+from vllm_specbeam.core.lookup import Source, best_match
 from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 from vllm_specbeam.methods.aded import trigram
 from vllm_specbeam.methods.aded.mcts import SearchParams, search
@@ -298,12 +298,13 @@ class AdedDrafter(TreeDrafter):
 
 def _matched_paths(tokens: np.ndarray, options: Mapping[str, Any], depth: int, budget: int) -> DraftTree:
     """What ``lookup_tree`` drafts (its request scope): the continuations of every earlier
-    occurrence of the longest recent n-gram, merged, the most frequent kept first."""
+    occurrence of the best-scoring recent n-gram (:func:`best_match`), merged, the most
+    frequent kept first."""
     if not options["prompt_lookup_max"]:
         return DraftTree.empty()
-    found = match_ends(tokens[:-1], tokens, options["prompt_lookup_min"], options["prompt_lookup_max"])
-    paths = continuations(tokens, found, depth)[:MAX_MATCHES]
-    return match_tree(paths, found.length, budget)
+    own = Source.own(tokens, options["prompt_lookup_min"], options["prompt_lookup_max"])
+    choice = best_match([own], lambda length: depth, MAX_MATCHES)
+    return DraftTree.empty() if choice is None else choice.tree(budget)
 
 
 def _sources(tree: DraftTree, w1: int, w2: int, lookup: Callable[[np.ndarray], trigram.Continuations]) -> np.ndarray:

@@ -8,8 +8,9 @@ accept whichever is right, for the same single verification pass.
 
 With ``"scope": "global"`` the matches also come from the prompts and
 outputs of the requests this engine finished before
-(:mod:`vllm_specbeam.methods.lookup_tree.index`): whichever source holds the
-longer match of the recent n-gram drafts (both, on a tie). With
+(:mod:`vllm_specbeam.methods.lookup_tree.index`), counted with the request's
+own. Which match length drafts is suffix decoding's rule
+(:func:`~vllm_specbeam.core.lookup.best_match`). With
 ``"index_isolation": "salt"`` (the default) a request matches, and feeds, only
 the finished requests with its ``cache_salt``; a request with ``"share": false``
 is never indexed. Repeated text is worth deep drafts and novel text is not, so
@@ -26,7 +27,7 @@ from typing import Any, ClassVar
 
 from vllm_specbeam.core.config import INDEX_ISOLATION, Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
-from vllm_specbeam.core.lookup import NO_MATCH, continuations, match_ends, match_tree
+from vllm_specbeam.core.lookup import Source, best_match, match_levels
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.methods.lookup_tree.index import SuffixIndex
 
@@ -131,20 +132,20 @@ class LookupTreeDrafter(TreeDrafter):
     def _propose_one(self, request: DraftRequest) -> DraftTree:
         opts = request.options
         tokens = request.token_ids
-        low, high, depth = opts["prompt_lookup_min"], opts["prompt_lookup_max"], opts["num_speculative_tokens"]
-        own = match_ends(tokens[:-1], tokens, low, high)
+        low, high = opts["prompt_lookup_min"], opts["prompt_lookup_max"]
+        sources = [Source.own(tokens, low, high)]
         partition = None if self.index is None else self.index.partition(self._salt(request))
-        found = NO_MATCH if partition is None else match_ends(partition.corpus, tokens, low, high)
-        length = max(own.length, found.length)  # the longer match drafts (both when equal)
-        if opts["depth_factor"] > 0:  # a 3-token match at factor 1: at most 3 deep
-            depth = min(depth, max(1, int(opts["depth_factor"] * length)))
-        paths = continuations(tokens, own, depth) if own.length >= found.length else []
-        mine = len(paths)
-        if partition is not None and found.length >= own.length:
-            paths += [partition.continuation(end, depth) for end in found.ends]
-        paths = paths[: opts["max_matches"]]
-        drafted = [p for p in paths if p.size]
-        if not drafted:
+        if partition is not None:
+            sources.append(Source(match_levels(partition.corpus, tokens, low, high), partition.continuation))
+        choice = best_match(sources, lambda length: self._depth(opts, length), opts["max_matches"])
+        if choice is None:
             return DraftTree.empty()
-        tree = match_tree(drafted, length, opts["max_nodes"])
-        return tree.with_from_index(paths[mine:]) if len(paths) > mine else tree
+        tree = choice.tree(opts["max_nodes"])
+        indexed = [path for path, source in zip(choice.paths, choice.sources) if source == 1]
+        return tree.with_from_index(indexed) if indexed else tree
+
+    @staticmethod
+    def _depth(opts: Mapping[str, Any], length: int) -> int:
+        """How deep a ``length``-token match drafts (a 3-token match at factor 2: at most 6)."""
+        depth = opts["num_speculative_tokens"]
+        return min(depth, max(1, int(opts["depth_factor"] * length))) if opts["depth_factor"] > 0 else depth
