@@ -188,7 +188,7 @@ class LookupTree:
         cap = node_cap(self.options)
         if depth < 1:
             empty = DraftTree.empty()
-            return Draft(empty, empty, empty, self._match(context), 0.0)
+            return Draft(empty, empty, empty, self._match(req_id, context, depth), 0.0)
         ask = self.budget.draft_cap(req_id, cap) if self.policy == "auto" else cap
         seconds = 0.0
         tree = DraftTree.empty()
@@ -200,17 +200,13 @@ class LookupTree:
         if self.policy == "auto" and ask:
             tree = self.budget.prune([req_id], [tree], [context.size], 1)[0]
         candidates = self._propose(req_id, context, depth, ALL_NODES)
-        return Draft(tree, capped, candidates, self._match(context), seconds)
+        return Draft(tree, capped, candidates, self._match(req_id, context, depth), seconds)
 
-    def _match(self, tokens: np.ndarray) -> int:
-        """The length of the suffix the drafter matches (its own text, or the index's when longer)."""
-        low, high = self.options["prompt_lookup_min"], self.options["prompt_lookup_max"]
-        length = match_ends(tokens[:-1], tokens, low, high).length
-        index = self.drafter.index
-        part = None if index is None else index.partition(None)
-        if part is not None:
-            length = max(length, match_ends(part.corpus, tokens, low, high).length)
-        return length
+    def _match(self, req_id: str, tokens: np.ndarray, depth: int) -> int:
+        """The length of the suffix the drafter drafts from at ``depth`` (0: none)."""
+        options = {**self.options, "num_speculative_tokens": max(depth, 1)}
+        choice = self.drafter.choose(DraftRequest(req_id, tokens, options))
+        return 0 if choice is None else choice.length
 
     def committed(self, req_id: str, committed: list[int], num_tokens: int) -> None:
         if self.policy == "auto":

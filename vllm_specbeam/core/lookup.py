@@ -143,7 +143,8 @@ def best_match(sources: Sequence[Source], depth_of: Callable[[int], int], max_ma
     one's, in all ``sources`` together, the one whose continuations (``depth_of(length)``
     deep, the ``max_matches`` most recent, earlier sources first) score the most
     (:func:`chain_score`), the longer on a tie. Longest first, stopping once a length drafts
-    no deeper than the best score. Example: a 6-token match whose one occurrence is followed
+    no deeper than the best score (exact, as ``depth_of`` never shrinks with the length and a
+    chain scores at most its depth). Example: a 6-token match whose one occurrence is followed
     by ``7`` and then the text's end (score 1) loses to its last 2 tokens, seen 3 times more,
     each followed by ``4 4``: 3/4 + 3/4 = 1.5."""
     best: LookupChoice | None = None

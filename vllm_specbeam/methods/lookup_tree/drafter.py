@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from vllm_specbeam.core.config import INDEX_ISOLATION, Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
-from vllm_specbeam.core.lookup import Source, best_match, match_levels
+from vllm_specbeam.core.lookup import LookupChoice, Source, best_match, match_levels
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.methods.lookup_tree.index import SuffixIndex
 
@@ -129,7 +129,9 @@ class LookupTreeDrafter(TreeDrafter):
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(request) for request in requests]
 
-    def _propose_one(self, request: DraftRequest) -> DraftTree:
+    def choose(self, request: DraftRequest) -> LookupChoice | None:
+        """The match that drafts for ``request``: :func:`best_match` over its own tokens (source
+        0) and, in the global scope, its partition of the index (source 1)."""
         opts = request.options
         tokens = request.token_ids
         low, high = opts["prompt_lookup_min"], opts["prompt_lookup_max"]
@@ -137,10 +139,13 @@ class LookupTreeDrafter(TreeDrafter):
         partition = None if self.index is None else self.index.partition(self._salt(request))
         if partition is not None:
             sources.append(Source(match_levels(partition.corpus, tokens, low, high), partition.continuation))
-        choice = best_match(sources, lambda length: self._depth(opts, length), opts["max_matches"])
+        return best_match(sources, lambda length: self._depth(opts, length), opts["max_matches"])
+
+    def _propose_one(self, request: DraftRequest) -> DraftTree:
+        choice = self.choose(request)
         if choice is None:
             return DraftTree.empty()
-        tree = choice.tree(opts["max_nodes"])
+        tree = choice.tree(request.options["max_nodes"])
         indexed = [path for path, source in zip(choice.paths, choice.sources) if source == 1]
         return tree.with_from_index(indexed) if indexed else tree
 
