@@ -38,13 +38,16 @@ def write(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
 def read_kv(layer, cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions [0, num_keys), [R, heads, keys, head], read
     through the learned layout the way the plugin's element-wise gather does."""
+    empty = torch.zeros(0, dtype=torch.int64)
     step = TreeStep(
-        torch.arange(block_table.shape[0]),
-        torch.zeros(0),
-        torch.zeros(0),
-        torch.zeros(block_table.shape[0], 1, num_keys, dtype=torch.bool),
-        torch.zeros(0),
-        torch.zeros(0),
+        req_indices=torch.arange(block_table.shape[0]),
+        query_rows=empty,
+        row_valid=empty.bool(),
+        valid_flat=empty,
+        valid_rows=empty,
+        key_mask=torch.zeros(block_table.shape[0], 1, num_keys, dtype=torch.bool),
+        node_rows=empty,
+        node_positions=empty,
     )
     key_index, value_index = step.gather_index(layer, cache, block_table)
     return cache.view(-1)[key_index], cache.view(-1)[value_index]

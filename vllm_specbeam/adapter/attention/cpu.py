@@ -54,6 +54,10 @@ class TreeStep:
     #: token row of every row to recompute, padded with row 0
     query_rows: torch.Tensor  # [R, Qmax]
     row_valid: torch.Tensor  # [R, Qmax] bool
+    #: the valid rows, as flat indices into ``[R x Qmax]`` and as token rows (index ops, not
+    #: boolean masks, in every layer: a mask costs a nonzero scan per use)
+    valid_flat: torch.Tensor  # [rows]
+    valid_rows: torch.Tensor  # [rows]
     #: which keys each such row may see: context, then the tree rows
     key_mask: torch.Tensor  # [R, Qmax, Kmax] bool
     #: token rows of all draft nodes and the positions they must have
@@ -116,10 +120,13 @@ class TreeStep:
             key_mask[r, : rows.size, :ctx] = True
             key_mask[r, : rows.size, ctx : ctx + visible.shape[1]] = visible
         empty = torch.zeros(0, dtype=torch.int64)
+        valid_flat = np.flatnonzero(row_valid)
         return cls(
             torch.as_tensor(list(req_indices), dtype=torch.int64),
             torch.from_numpy(padded_rows),
             torch.from_numpy(row_valid),
+            torch.from_numpy(valid_flat),
+            torch.from_numpy(padded_rows.reshape(-1)[valid_flat]),
             torch.from_numpy(key_mask),
             empty if node_rows is None else node_rows,
             empty if node_positions is None else node_positions,
@@ -269,7 +276,9 @@ def recompute_tree_rows(
     place (:func:`blockwise_attention`); a packed one element by element.
     """
     _, heads, block_size, two_head = kv_cache.shape
-    q = query[step.query_rows].to(torch.float32)  # [R, Qmax, Hq, D]
+    requests, num_rows = step.query_rows.shape
+    q = query.index_select(0, step.query_rows.view(-1)).to(torch.float32)  # [R x Qmax, Hq, D]
+    q = q.view(requests, num_rows, *q.shape[1:])  # [R, Qmax, Hq, D]
     strides = block_strides(layer.isa, kv_cache.dtype, heads, block_size, two_head // 2)
     if strides is None:
         storage = kv_cache.view(-1)
@@ -284,10 +293,8 @@ def recompute_tree_rows(
         ).transpose(1, 2)  # [R, Qmax, Hq, D]
     else:
         out = blockwise_attention(q, kv_cache, step.blockwise_plan(block_table, block_size), strides, impl.scale)
-    rows = out[step.row_valid]  # [rows, Hq, D]
-    output.view(output.shape[0], impl.num_heads, impl.head_size)[step.query_rows[step.row_valid]] = rows.to(
-        output.dtype
-    )
+    rows = out.reshape(requests * num_rows, *out.shape[2:]).index_select(0, step.valid_flat)  # [rows, Hq, D]
+    output.view(output.shape[0], impl.num_heads, impl.head_size).index_copy_(0, step.valid_rows, rows.to(output.dtype))
 
 
 def blockwise_attention(
