@@ -5,8 +5,8 @@ the rows off it are recomputed with the tree mask in every layer
 (vllm_specbeam/adapter/attention/cpu.py): what the step budget's branched line pays
 over the chains' line. This times one layer's recompute on a bfloat16 cache written
 through vLLM's own cache op, at a model's attention shapes (default SmolLM2-135M's:
-9 query heads, 3 kv heads, head 64), for a 6-node tree with 3 off-branch rows per
-request; the median of ``--reps`` calls, the cases in turns so a drift reaches all alike.
+9 query heads, 3 kv heads, head 64), for a 16-node tree with 10 off-branch rows per
+request, the median the engine recomputes on the main job; the median of ``--reps`` calls, the cases in turns so a drift reaches all alike.
 
     python benchmarks/cpu_tree_rows.py
 
@@ -33,8 +33,9 @@ import torch
 from vllm_specbeam.adapter.attention.cpu import TreeStep, recompute_tree_rows
 from vllm_specbeam.core.tree import ROOT, DraftTree
 
-#: root -> a -> b, root -> c -> d, a -> e: rows c, d, e are off the first branch
-TREE = DraftTree(tokens=[0] * 6, parents=[ROOT, 0, 1, ROOT, 3, 0])
+#: a chain of 6 with branches of 3 at the root and at nodes 1, 2 and one of 2 at node 0:
+#: the 10 rows of those branches are off the first branch
+TREE = DraftTree(tokens=[0] * 16, parents=[ROOT, 0, 1, 2, 3, 4, ROOT, 6, 7, 1, 9, 10, 2, 12, 0, 14])
 
 
 def one_case(args: argparse.Namespace, context: int, requests: int) -> tuple[TreeStep, dict]:
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's CPU block size (128)")
-    parser.add_argument("--cases", nargs="+", default=["300x1", "1000x1", "300x4", "300x8"], help="CONTEXTxREQUESTS")
+    parser.add_argument("--cases", nargs="+", default=["150x1", "1000x1", "150x4", "150x8"], help="CONTEXTxREQUESTS")
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -32,11 +32,13 @@ from vllm_specbeam.core.tree import DraftTree
 
 @dataclass(frozen=True)
 class _BlockPlan:
-    """What :func:`blockwise_attention` reads of a step, for one block size."""
+    """What :func:`blockwise_attention` reads of a step, for one block size and head grouping."""
 
     block_ids: torch.Tensor  # [R x blocks per request]: each request's first blocks, in order
     per_request: int  # blocks per request, enough for the widest key window
-    hidden: torch.Tensor  # [R, 1, 1, Qmax, blocks per request x block size] bool: keys a row must not see
+    #: 0 where a row may see a key, -inf where not (keys past its window, other branches), laid
+    #: out as the score matmul's batches: one add inside the matmul, no mask op
+    bias: torch.Tensor  # [R x Hkv, group x Qmax, Kmax] float32
 
 
 @dataclass
@@ -132,17 +134,18 @@ class TreeStep:
             empty if node_positions is None else node_positions,
         )
 
-    def blockwise_plan(self, block_table: torch.Tensor, block_size: int) -> _BlockPlan:
-        """The requests' blocks and the key mask laid out block by block (once per step and
-        block size: every layer of a KV-cache group shares them)."""
-        if block_size not in self._blocks:
+    def blockwise_plan(self, block_table: torch.Tensor, block_size: int, kv_heads: int, group: int) -> _BlockPlan:
+        """The requests' blocks and the key mask as a score bias (once per step, block size and
+        head grouping: every layer of a KV-cache group shares them)."""
+        key = (block_size, kv_heads, group)
+        if key not in self._blocks:
             requests, rows, num_keys = self.key_mask.shape
             per_request = -(-num_keys // block_size)
             ids = block_table[self.req_indices][:, :per_request].reshape(-1).to(torch.int64)
-            hidden = torch.ones((requests, 1, 1, rows, per_request * block_size), dtype=torch.bool)
-            hidden[..., :num_keys] = ~self.key_mask[:, None, None]
-            self._blocks[block_size] = _BlockPlan(ids, per_request, hidden)
-        return self._blocks[block_size]
+            bias = torch.zeros(requests, rows, num_keys).masked_fill_(~self.key_mask, -torch.inf)
+            bias = bias[:, None, None].expand(requests, kv_heads, group, rows, num_keys)
+            self._blocks[key] = _BlockPlan(ids, per_request, bias.reshape(requests * kv_heads, group * rows, num_keys))
+        return self._blocks[key]
 
     def gather_index(self, layer: torch.nn.Module, kv_cache: torch.Tensor, block_table: torch.Tensor):
         """Flat indices into a layer's cache storage of the keys and values of
@@ -275,69 +278,75 @@ def recompute_tree_rows(
     layout (:func:`block_strides`, vLLM 0.32's ``vec`` ISA) is read block by block in
     place (:func:`blockwise_attention`); a packed one element by element.
     """
-    _, heads, block_size, two_head = kv_cache.shape
+    _, kv_heads, block_size, two_head = kv_cache.shape
     requests, num_rows = step.query_rows.shape
-    q = query.index_select(0, step.query_rows.view(-1)).to(torch.float32)  # [R x Qmax, Hq, D]
-    q = q.view(requests, num_rows, *q.shape[1:])  # [R, Qmax, Hq, D]
-    strides = block_strides(layer.isa, kv_cache.dtype, heads, block_size, two_head // 2)
+    q = query.index_select(0, step.query_rows.view(-1)).view(requests, num_rows, impl.num_heads, impl.head_size)
+    strides = block_strides(layer.isa, kv_cache.dtype, kv_heads, block_size, two_head // 2)
     if strides is None:
         storage = kv_cache.view(-1)
         keys, values = (storage[index].to(torch.float32) for index in step.gather_index(layer, kv_cache, block_table))
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
+            q.transpose(1, 2).to(torch.float32),
             keys,
             values,
             attn_mask=step.key_mask[:, None],
             scale=impl.scale,
             enable_gqa=q.shape[2] != keys.shape[1],
-        ).transpose(1, 2)  # [R, Qmax, Hq, D]
+        )  # [R, Hq, Qmax, D]
     else:
-        out = blockwise_attention(q, kv_cache, step.blockwise_plan(block_table, block_size), strides, impl.scale)
-    rows = out.reshape(requests * num_rows, *out.shape[2:]).index_select(0, step.valid_flat)  # [rows, Hq, D]
-    output.view(output.shape[0], impl.num_heads, impl.head_size).index_copy_(0, step.valid_rows, rows.to(output.dtype))
+        plan = step.blockwise_plan(block_table, block_size, kv_heads, impl.num_heads // kv_heads)
+        out = blockwise_attention(q, kv_cache, plan, strides, impl.scale)  # [R, Hq, Qmax, D]
+    rows = out.transpose(1, 2).reshape(requests * num_rows, impl.num_heads, impl.head_size)
+    output.view(output.shape[0], impl.num_heads, impl.head_size).index_copy_(
+        0, step.valid_rows, rows.index_select(0, step.valid_flat).to(output.dtype)
+    )
+
+
+def _float32_copy(view: torch.Tensor) -> torch.Tensor:
+    """``view`` converted to float32 in one pass, laid out contiguously in its own dimension order."""
+    return torch.empty(view.shape, dtype=torch.float32).copy_(view)
 
 
 def blockwise_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, plan: _BlockPlan, strides: tuple[BlockStrides, BlockStrides], scale: float
 ) -> torch.Tensor:
-    """Masked attention of ``q`` ``[R, Qmax, Hq, D]`` (float32) over each request's cache blocks,
-    read in place through the layout's strides: one copy of the blocks (converted to float32),
-    a score matmul per block, one softmax across blocks (hidden keys' scores set to -inf, as
-    SDPA does with a boolean mask). At SmolLM2's shapes and 300 keys, 0.2 ms a layer against
-    0.3 for dense keys and values gathered for SDPA (benchmarks/cpu_tree_rows.py)."""
+    """Masked attention of ``q`` ``[R, Qmax, Hq, D]`` over each request's cache blocks, in float32:
+    the blocks are read once through the layout's strides into contiguous keys and values, then
+    one batched matmul with the mask's bias and scale folded in (``baddbmm``), one softmax, one
+    matmul. Returns ``[R, Hq, Qmax, D]``. At these sizes (a tree's ~10 off-branch rows, ~150 keys)
+    the time is in the number of torch ops, not their arithmetic (benchmarks/cpu_tree_rows.py)."""
     requests, rows, q_heads, head = q.shape
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     group, per = q_heads // kv_heads, plan.per_request
-    blocks = kv_cache.index_select(0, plan.block_ids).to(torch.float32)  # [R x per, Hkv, block, 2 x D]
+    blocks = kv_cache.index_select(0, plan.block_ids)  # [R x per, Hkv, block, 2 x D]
     numel = blocks[0].numel()
     key_view, value_view = strides
-    keys_t = torch.as_strided(  # [R, per, Hkv, D, block]
+    keys_t = torch.as_strided(  # [R, Hkv, D, per, block]
         blocks,
-        (requests, per, kv_heads, head, block_size),
-        (per * numel, numel, key_view.head, key_view.element, key_view.position),
+        (requests, kv_heads, head, per, block_size),
+        (per * numel, key_view.head, key_view.element, numel, key_view.position),
         key_view.offset,
     )
-    values = torch.as_strided(  # [R, per, Hkv, block, D]
+    values = torch.as_strided(  # [R, Hkv, per, block, D]
         blocks,
-        (requests, per, kv_heads, block_size, head),
-        (per * numel, numel, value_view.head, value_view.position, value_view.element),
+        (requests, kv_heads, per, block_size, head),
+        (per * numel, value_view.head, numel, value_view.position, value_view.element),
         value_view.offset,
     )
-    # query head h reads kv head h // group: [R, 1, Hkv, group x Qmax, D]
-    grouped = (
-        q.view(requests, rows, kv_heads, group, head)
-        .permute(0, 2, 3, 1, 4)
-        .reshape(requests, 1, kv_heads, group * rows, head)
+    batches, num_keys = requests * kv_heads, plan.bias.shape[-1]  # keys past Kmax are never read
+    # query head h reads kv head h // group: batch (request, kv head), rows (group, row)
+    grouped = _float32_copy(q.view(requests, rows, kv_heads, group, head).permute(0, 2, 3, 1, 4))
+    # hidden keys score -inf and weigh exactly 0: 0 x value is 0 since vLLM 0.32 zero-fills the
+    # cache (v1/worker/utils.py allocate_kv_cache) and writes finite K/V
+    scores = torch.baddbmm(  # [R x Hkv, group x Qmax, Kmax]
+        plan.bias,
+        grouped.view(batches, group * rows, head),
+        _float32_copy(keys_t).view(batches, head, per * block_size)[..., :num_keys],
+        alpha=scale,
     )
-    scores = torch.matmul(grouped, keys_t)  # [R, per, Hkv, group x Qmax, block]
-    scores = scores.view(requests, per, kv_heads, group, rows, block_size).permute(0, 2, 3, 4, 1, 5)
-    scores = scores.reshape(requests, kv_heads, group, rows, per * block_size).mul_(scale)
-    # hidden slots (padding blocks, keys past the window) weigh exactly 0: 0 x value is 0 since
-    # vLLM 0.32 zero-fills the cache (v1/worker/utils.py allocate_kv_cache) and writes finite K/V
-    scores.masked_fill_(plan.hidden, -torch.inf)
-    weights = torch.softmax(scores, dim=-1).view(requests, kv_heads, group * rows, per, block_size)
-    out = torch.matmul(weights.permute(0, 3, 1, 2, 4), values).sum(1)  # [R, Hkv, group x Qmax, D]
-    return out.view(requests, kv_heads, group, rows, head).permute(0, 3, 1, 2, 4).reshape(requests, rows, q_heads, head)
+    values = _float32_copy(values).view(batches, per * block_size, head)[:, :num_keys]  # [R x Hkv, Kmax, D]
+    out = torch.bmm(scores.softmax(-1), values)
+    return out.view(requests, q_heads, rows, head)
 
 
 def install_cpu_tree_attention() -> None:
