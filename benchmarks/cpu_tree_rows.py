@@ -6,7 +6,8 @@ the rows off it are recomputed with the tree mask in every layer
 over the chains' line. This times one layer's recompute on a bfloat16 cache written
 through vLLM's own cache op, at a model's attention shapes (default SmolLM2-135M's:
 9 query heads, 3 kv heads, head 64), for a 16-node tree with 10 off-branch rows per
-request, the median the engine recomputes on the main job; the median of ``--reps`` calls, the cases in turns so a drift reaches all alike.
+request (the median the engine recomputes on the main job); the median of ``--reps``
+calls, the cases in turns so a drift reaches all alike.
 
     python benchmarks/cpu_tree_rows.py
 
