@@ -275,8 +275,9 @@ def recompute_tree_rows(
 
     Reads keys from the cache (vLLM has already written this step's rows), so
     the keys of tree rows carry the RoPE of their depth-based positions. A strided
-    layout (:func:`block_strides`, vLLM 0.32's ``vec`` ISA) is read block by block in
-    place (:func:`blockwise_attention`); a packed one element by element.
+    layout (:func:`block_strides`, vLLM 0.32's ``vec`` ISA) is read through its
+    strides into one batched matmul (:func:`blockwise_attention`); a packed one
+    element by element.
     """
     _, kv_heads, block_size, two_head = kv_cache.shape
     requests, num_rows = step.query_rows.shape
