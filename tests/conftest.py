@@ -171,6 +171,12 @@ def runner_stats(llm) -> dict[str, int]:
     return llm.collective_rpc(read_stats)[0]
 
 
+def counters_grown(before: dict, after: dict) -> dict[str, int]:
+    """How much each of the runner's counters grew between two :func:`runner_stats` (fitted
+    lines, which appear once measured, are not counters)."""
+    return {key: after[key] - before[key] for key in before.keys() & after.keys() if isinstance(before[key], int)}
+
+
 class Engines:
     """``LLM`` objects of one model shared by the whole session, keyed by their settings.
 

@@ -24,3 +24,5 @@ MCSD = {
     "lookup": "off",
     "stop_threshold": 0.5,
 }
+#: ``dsbd`` at one beam a depth: a draft chain, lossless, under the goodput controller
+DSBD_CHAIN = {"method": "dsbd", "num_speculative_tokens": 3, "max_nodes": 12, "max_width": 1, "lookup": "off"}

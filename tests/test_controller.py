@@ -1,4 +1,4 @@
-"""The goodput controller (core/controller.py) and the priced ``mcsd`` drafter, without an engine.
+"""The goodput controller (core/controller.py) and the priced ``mcsd`` and ``dsbd``-chain drafters, without an engine.
 
 The maths against its worked examples and brute force; the drafter on the fake
 runtime of ``test_mcsd`` under planted prices: free rows and forwards keep the
@@ -11,6 +11,7 @@ from itertools import combinations
 
 import numpy as np
 import pytest
+from conftest import checked_options
 from test_hybrid_lookup import DeferringRuntime
 from test_mcsd import drafter, request
 
@@ -28,6 +29,7 @@ from vllm_specbeam.core.controller import (
 )
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import DraftTree
+from vllm_specbeam.methods.dsbd.drafter import DsbdDrafter
 
 #: 38 ms + 0.5 ms a row: C(4) = 40 ms, C(8) = 42 ms (the module docstring's example)
 TARGET = StepCost(0.038, 0.0005)
@@ -299,3 +301,83 @@ def test_dear_forwards_switch_the_draft_off_but_for_probes() -> None:
         tokens.append(1000 + step)
     assert drafted == [0, 2, 5, 10, 19, 28] and len(runtime.synced) == len(drafted)
     assert len(runtime.deferred) == 30 - len(drafted)
+
+
+# ---------------------------------------------------------------- the priced dsbd chain
+def dsbd(prices: StepPrices | None, **overrides) -> tuple[DsbdDrafter, DeferringRuntime]:
+    """``dsbd`` at ``max_width: 1`` (a draft chain) on the fake runtime, priced by ``prices``."""
+    values = {"draft_model": "draft", "num_speculative_tokens": 4, "max_nodes": 16, "lookup": "off", "max_width": 1}
+    d, runtime = DsbdDrafter(checked_options(DsbdDrafter, **{**values, **overrides})), DeferringRuntime()
+    d.use_runtime(runtime)
+    if prices is not None:
+        d.plan_step(prices)
+    return d, runtime
+
+
+def test_free_rows_and_forwards_keep_the_whole_dsbd_chain() -> None:
+    """Nothing to pay: the priced chain is the unpriced one, valued at its nodes' draft
+    probabilities; a dear draft forward cuts it, and a dear one of 200 ms leaves its first node."""
+    d, _ = dsbd(StepPrices(1, FREE, FREE))
+    tree = d.propose([request(d, [5, 6])])[0]
+    unpriced, _ = dsbd(None)
+    assert tree.tokens.tolist() == unpriced.propose([request(unpriced, [5, 6])])[0].tokens.tolist()
+    assert tree.max_depth == 4 and unpriced.expected_gain is None
+    assert 3.5 < d.expected_gain <= 4.0  # four nodes the draft is sure of (top-1 ~ 0.99)
+    depths = []
+    for forward in (0.0, 0.004, 0.040, 0.200):
+        d, _ = dsbd(StepPrices(1, TARGET, StepCost(forward, 0.0)), num_speculative_tokens=8)
+        depths.append(d.propose([request(d, [5, 6])])[0].max_depth)
+    assert depths[0] == 8 and depths == sorted(depths, reverse=True) and depths[-1] < depths[1]
+
+
+def test_a_dsbd_chain_the_draft_is_unsure_of_stops_where_its_rows_stop_paying() -> None:
+    """Past depth 2 the draft is flat (1/16 a node): those nodes are not worth their forward."""
+    d, runtime = dsbd(StepPrices(1, TARGET, StepCost(0.004, 0.0)))
+    runtime.confident_below = 2
+    tree = d.propose([request(d, [5, 6])])[0]
+    assert 2 <= tree.max_depth < 4
+
+
+def test_dear_forwards_rest_a_dsbd_chain_but_for_probes() -> None:
+    """No draft forward pays: the chain's draft syncs only on the gate's back-off, one node each."""
+    d, runtime = dsbd(StepPrices(1, TARGET, DEAR))
+    tokens, drafted = [5, 6], []
+    for step in range(30):
+        d.plan_step(StepPrices(1, TARGET, DEAR))
+        tree = d.propose([request(d, tokens)])[0]
+        if tree.num_nodes:
+            assert tree.num_nodes == 1
+            drafted.append(step)
+        tokens.append(1000 + step)
+    assert drafted == [0, 2, 5, 10, 19, 28] and len(runtime.deferred) == 30 - len(drafted)
+
+
+def test_dsbd_beams_are_drafted_whatever_they_cost_and_left_unvalued() -> None:
+    """A request of 2 beams a depth (lossy: its drafts are what its output means) on the chain
+    engine: drafted in full under dear prices, the step's value unknown to the switch."""
+    d, runtime = dsbd(StepPrices(1, TARGET, DEAR))
+    tree = d.propose([request(d, [5, 6], max_width=2, prune_ratio=0.0)])[0]
+    assert tree.max_depth == 4 and tree.num_nodes == 8 and runtime.deferred == []
+    assert d.expected_gain is None
+
+
+def test_a_request_asking_for_beams_keeps_a_resting_chain_engine_drafting() -> None:
+    """Only options that keep the target's output may rest: ``dsbd`` chains do, beams do not, so
+    a batch holding a request of beams drafts every step, even while the switch would rest it."""
+    from vllm import SamplingParams
+
+    from vllm_specbeam.adapter.drafting import TreeDrafting
+    from vllm_specbeam.adapter.tree_counts import TreeCounts
+    from vllm_specbeam.core.config import SpecbeamConfig
+
+    assert DsbdDrafter.keeps_target_output({"max_width": 1}) and not DsbdDrafter.keeps_target_output({"max_width": 2})
+    d, _ = dsbd(None)
+    drafting = TreeDrafting(SpecbeamConfig("dsbd", d.options), d, TreeCounts())
+    assert drafting.switch is not None
+    plain, beams = SamplingParams(), SamplingParams(extra_args={"max_width": 3})
+    assert drafting.drafts_this_step(["a", "b"], [plain, plain])  # the switch learns the load
+    drafting.switch.rest()
+    assert drafting.drafts_this_step(["a", "b"], [plain, beams])
+    assert not drafting.drafts_this_step(["a", "b"], [plain, plain])
+    wide, _ = dsbd(None, max_width=4)
+    assert TreeDrafting(SpecbeamConfig("dsbd", wide.options), wide, TreeCounts()).switch is None

@@ -4,8 +4,8 @@ exactly, and outputs stay the target's however the switch flips mid-request."""
 from __future__ import annotations
 
 import pytest
-from conftest import greedy, runner_stats, token_ids
-from specs import LOOKUP_AUTO, MCSD
+from conftest import counters_grown, greedy, runner_stats, token_ids
+from specs import DSBD_CHAIN, LOOKUP_AUTO, MCSD
 from test_worker_draft import ATOL, _check, _record, wide_draft  # noqa: F401 - wide_draft: a fixture
 
 from vllm_specbeam.core.budget import StepCost, StepCostModel
@@ -101,7 +101,7 @@ def _exact_while(llm, plant: tuple, undo: tuple, prompts, reference) -> dict:
     finally:
         llm.collective_rpc(*undo)
     after = runner_stats(llm)
-    return {key: after[key] - before[key] for key in before.keys() & after.keys() if isinstance(before[key], int)}
+    return counters_grown(before, after)
 
 
 def test_dear_rows_turn_the_batch_off_and_an_off_step_is_vllms_plain_step(engines, prompts, reference) -> None:
@@ -143,9 +143,13 @@ def test_dear_branches_leave_chains_and_free_branches_bring_trees_back(engines, 
     assert free["steps_branched"] > 0
 
 
-@pytest.mark.parametrize("spec", [LOOKUP_AUTO, MCSD_HYBRID], ids=["lookup_tree", "mcsd"])
-def test_greedy_exact_with_the_switch_flipping_mid_request(engines, tiny_draft, prompts, reference, spec) -> None:
-    spec = spec if spec["method"] != "mcsd" else {**spec, "model": tiny_draft}
+@pytest.mark.parametrize("spec", [LOOKUP_AUTO, MCSD_HYBRID, DSBD_CHAIN], ids=["lookup_tree", "mcsd", "dsbd-chain"])
+def test_greedy_exact_with_the_switch_flipping_mid_request(
+    engines, tiny_draft, near_draft, prompts, reference, spec
+) -> None:
+    # the draft alone (dsbd's chain) needs one close to the target for its drafts to be accepted
+    draft = {"lookup_tree": None, "mcsd": tiny_draft, "dsbd": near_draft}[spec["method"]]
+    spec = spec if draft is None else {**spec, "model": draft}
     change = _exact_while(engines.get(spec), (_flip_switch, None, (2, 3)), (_unflip,), prompts, reference)
     assert change["steps_off"] > 20 and change["accepted"] > 0
 

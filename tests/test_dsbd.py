@@ -418,7 +418,7 @@ def test_in_engine_sampled_beams_run_reproducibly_within_the_targets_support(
     top-p nucleus, which the draft, sampling its whole vocabulary, often is
     not), and a seeded request replays token for token once the drafter is reseeded.
     """
-    from conftest import runner_stats, token_ids
+    from conftest import counters_grown, runner_stats, token_ids
     from transformers import AutoModelForCausalLM
 
     llm = engines.get({**DSBD_WIDE, "model": near_draft})
@@ -427,7 +427,7 @@ def test_in_engine_sampled_beams_run_reproducibly_within_the_targets_support(
     before = runner_stats(llm)
     outputs = llm.generate(requests, [sampled(s) for s in range(24)], use_tqdm=False)
     after = runner_stats(llm)
-    delta = {key: after[key] - before[key] for key in after}
+    delta = counters_grown(before, after)
     assert delta["trees"] > 0 and delta["accepted"] > 0 and delta["nodes"] > delta["accepted"]
     assert delta["beam_width_sum"] > delta["beam_depths"] > 0  # some depth kept more than one beam
 

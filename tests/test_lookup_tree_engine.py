@@ -124,9 +124,9 @@ def dsbd_spec(draft: str, **options: object) -> dict[str, object]:
     return {"method": "dsbd", "model": draft, "num_speculative_tokens": 3, "max_nodes": 12, **options}
 
 
-def test_dsbd_width_one_greedy_equals_no_speculation(engines, tiny_draft, prompts, reference):
+def test_dsbd_width_one_greedy_equals_no_speculation(engines, near_draft, prompts, reference):
     """Greedy DSBD is beam decoding; with one beam it is greedy decoding, exactly."""
-    llm = engines.get(dsbd_spec(tiny_draft, min_width=1, max_width=1))
+    llm = engines.get(dsbd_spec(near_draft, min_width=1, max_width=1))
     assert token_ids(llm.generate(prompts, greedy())) == reference
     stats = runner_stats(llm)
     assert stats["trees"] > 0

@@ -110,6 +110,12 @@ def _check(worker, draft: str, runtime_name: str = "draft_runtime") -> dict:
     return {"worst": worst, "counts": counts, "stats": dict(worker.model_runner.tree_stats)}
 
 
+def _unpriced(worker) -> None:
+    """Leave the drafter unpriced: its chains draft their full depth whatever a row costs (the
+    logits are checked here, not the controller)."""
+    worker.model_runner.tree_drafter.plan_step = lambda prices: None
+
+
 def _draft_compiled(worker) -> bool:
     # vLLM 0.32.0 compilation/decorators.py: set on the decorated decoder once it is compiled
     return bool(getattr(worker.model_runner.draft_runtime.draft.model.model, "compiled", False))
@@ -145,6 +151,7 @@ def test_tree_logits_match_transformers_over_steps(engines, tiny_model: str, wid
     # Compiled at start-up (the worker's warm-up), not in the first request's step.
     assert llm.collective_rpc(_draft_compiled) == [True]
     llm.collective_rpc(_record)
+    llm.collective_rpc(_unpriced)
     before = runner_stats(llm)
     prompts = [prompts[i] for i in (1, 6, 8)]  # 9, 140, 260 words: contexts cross block boundaries
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

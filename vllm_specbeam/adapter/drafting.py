@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from vllm_specbeam.adapter.step_selection import (
     automatic_trees,
     budget_gain,
     clip_to_room,
+    request_args,
     requests_to_draft,
 )
 from vllm_specbeam.adapter.step_timing import StepTimer
@@ -29,6 +30,9 @@ from vllm_specbeam.core.config import METHODS, SpecbeamConfig
 from vllm_specbeam.core.controller import StepPrices, Switch, utility
 from vllm_specbeam.core.drafter import TreeDrafter
 from vllm_specbeam.core.tree import DraftTree
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
 
 @dataclass
@@ -52,8 +56,9 @@ class TreeDrafting:
         #: the step cost for drafters that cut their own trees by it (lookup branches of draft-model methods)
         self.budget = StepBudget() if method.prunable or drafter.cuts_to_step_cost else None
         self.timer = None if self.budget is None else StepTimer(self.budget)
-        #: whether the batch drafts at all (exact methods: lossy ones draft what their output means)
-        self.switch = Switch() if self.budget is not None and method.exact else None
+        #: whether the batch drafts at all (options that keep the target's output: lossy ones draft
+        #: what their output means)
+        self.switch = Switch() if self.budget is not None and drafter.keeps_target_output(config.options) else None
 
     def observe_committed(
         self, req_ids: Sequence[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray
@@ -67,14 +72,14 @@ class TreeDrafting:
             if sampled:
                 self.budget.observe_committed(req_id, sampled, int(num_tokens[index]))
 
-    def drafts_this_step(self, req_ids: Sequence[str]) -> bool:
-        """Whether this step asks the drafter at all (:class:`~vllm_specbeam.core.controller.Switch`).
-        A step that does not is vLLM's plain decode step: no drafts go to the scheduler, so the
-        next forward builds no tree and samples with vLLM's sampler, and the draft model feeds
-        nothing (it catches up at its next sync)."""
+    def drafts_this_step(self, req_ids: Sequence[str], params: Sequence[SamplingParams | None]) -> bool:
+        """Whether this step asks the drafter at all (:class:`~vllm_specbeam.core.controller.Switch`),
+        ``params`` the requests' own. A step that does not is vLLM's plain decode step: no drafts go
+        to the scheduler, so the next forward builds no tree and samples with vLLM's sampler, and
+        the draft model feeds nothing (it catches up at its next sync)."""
         counts, switch = self.counts, self.switch
         counts.steps += 1
-        if switch is None:
+        if switch is None or not self._all_keep_target_output(params):
             return True
         assert self.timer is not None and self.budget is not None  # a switch runs only with a budget
         if self.timer.plain_step_due():
@@ -85,6 +90,15 @@ class TreeDrafting:
             counts.steps_probed += 1
             self.budget.wake()
         return drafts
+
+    def _all_keep_target_output(self, params: Sequence[SamplingParams | None]) -> bool:
+        """Whether no request overrides the engine's options into lossy ones (``dsbd`` beams on an
+        engine of chains): resting such a batch would change what that request's output means."""
+        return all(
+            self.drafter.keeps_target_output(self.config.with_overrides(request_args(p).overrides))
+            for p in params
+            if p is not None and p.extra_args
+        )
 
     def propose(self, batch: Sequence[BatchRequest], max_model_len: int, draft_cost: StepCost | None) -> Proposal:
         """The drafter's trees for the requests that draft this step, cut to what pays and fits."""

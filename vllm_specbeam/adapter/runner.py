@@ -428,7 +428,7 @@ class TreeRunnerMixin:
 
         req_ids = self.input_batch.req_ids
         self.drafting.observe_committed(req_ids, sampled_token_ids, self.input_batch.num_tokens_no_spec)
-        if not self.drafting.drafts_this_step(req_ids):
+        if not self.drafting.drafts_this_step(req_ids, [self.requests[r].sampling_params for r in req_ids]):
             if self.draft_runtime is not None:
                 self.draft_runtime.defer(req_ids)
             return [[] for _ in req_ids]

@@ -143,9 +143,6 @@ class Method:
     #: its drafts are deterministic and its verifiers take any subtree: the
     #: per-step budget may cut them (``"max_nodes": "auto"``, the default)
     prunable: bool = False
-    #: its greedy output is the target's and its sampling the target's law (``dsbd``'s beams and ``mjsd``'s
-    #: joint rule are not): the goodput controller may switch its drafting off under load
-    exact: bool = True
 
     def drafter_class(self) -> type[TreeDrafter]:
         return _load(self.drafter)
@@ -184,7 +181,6 @@ METHODS: dict[str, Method] = {
         greedy_verifier="vllm_specbeam.methods.dsbd.verifier:DsbdGreedyVerifier",
         sampling_verifier="vllm_specbeam.methods.dsbd.verifier:DsbdVerifier",
         chain_verifier=None,
-        exact=False,
     ),
     "mcsd": Method("vllm_specbeam.methods.mcsd.drafter:McsdDrafter", needs_draft_model=True),
     "mjsd": Method(
@@ -193,7 +189,6 @@ METHODS: dict[str, Method] = {
         greedy_verifier="vllm_specbeam.methods.mjsd.verifier:MjsdGreedyVerifier",
         sampling_verifier="vllm_specbeam.methods.mjsd.verifier:MjsdVerifier",
         chain_verifier=None,
-        exact=False,
     ),
     "aded": Method("vllm_specbeam.methods.aded.drafter:AdedDrafter", prunable=True),
 }

@@ -160,6 +160,15 @@ def paying_share(
     return sorted(order[:best])
 
 
+def forwards_that_pay(ledger: StepLedger, guesses: Sequence[float], rows: Sequence[int], fixed: int = 0) -> list[int]:
+    """Which candidates the next draft forward feeds, to draft a level of ``rows`` nodes each
+    worth ``guesses`` expected tokens (:func:`paying_share`, each verified row one fed row), beside
+    ``fixed`` rows fed whatever it costs; the forward is charged to ``ledger``."""
+    chosen = paying_share(ledger, guesses, rows, rows, fixed)
+    ledger.add(0.0, 0, [fixed + sum(rows[k] for k in chosen)])
+    return chosen
+
+
 class DraftGate:
     """Which requests a step's draft model drafts for (:func:`paying_share`).
 

@@ -63,6 +63,13 @@ class TreeDrafter(ABC):
         must be cheap."""
 
     @staticmethod
+    def keeps_target_output(options: Mapping[str, Any]) -> bool:
+        """Whether these options keep the target's output: greedy decoding's tokens, the target's
+        law when sampling. Only then may the goodput controller switch drafting off under load (a
+        lossy method's drafts are part of what its output means)."""
+        return True
+
+    @staticmethod
     def salted_index(options: Mapping[str, Any]) -> bool:
         """Whether these engine-wide options give a cross-request index partitioned by
         :attr:`DraftRequest.cache_salt` (the engine must then carry each request's salt to it)."""

@@ -36,7 +36,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from vllm_specbeam.core.budget import TreeShape
 from vllm_specbeam.core.config import LOOKUP_OPTIONS, Option, SpecbeamConfigError
+from vllm_specbeam.core.controller import StepLedger, forwards_that_pay
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.draft_runtime.base import DraftRuntime
@@ -47,6 +49,7 @@ from vllm_specbeam.draft_runtime.drafter import (
     draft_temperature,
     sampling_probs,
 )
+from vllm_specbeam.draft_runtime.priced import PricedDraftModel
 from vllm_specbeam.methods.dsbd.beam_sampling import SamplingLaw, SparseRows, beam_joint, cut_rows, draw_pairs
 from vllm_specbeam.methods.dsbd.maths import BeamForest, joint
 from vllm_specbeam.methods.lookup_tree import branches as lookup_branches
@@ -69,6 +72,10 @@ def fill_shape(max_width: int, depth: int) -> DraftTree:
     beams are drawn). E.g. width 2, depth 2: parents ``[-1, -1, 0, 0]``."""
     parents = [ROOT] * max_width + [max_width * (d - 1) for d in range(1, depth) for _ in range(max_width)]
     return DraftTree(np.zeros(len(parents), np.int64), np.asarray(parents, np.int64))
+
+
+#: a chain's first node, as the learnt rates value it (:meth:`DsbdDrafter.gated`)
+_CHAIN_START = TreeShape.of(DraftTree(np.zeros(1, np.int64), np.full(1, ROOT, np.int64)))
 
 
 def mixed_forest(request: DraftRequest, lookup: DraftTree, forest: DraftTree) -> BeamForest:
@@ -96,7 +103,7 @@ def mixed_forest(request: DraftRequest, lookup: DraftTree, forest: DraftTree) ->
     )
 
 
-class DsbdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
+class DsbdDrafter(lookup_branches.LookupFirstDrafter, PricedDraftModel, DraftModelDrafter):
     """Beam-sampling forests from a draft model (see the module docstring)."""
 
     OPTIONS: ClassVar[dict[str, Option]] = {
@@ -124,10 +131,18 @@ class DsbdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
                 f"dsbd: min_width={options['min_width']} exceeds max_width={options['max_width']}"
             )
 
+    @staticmethod
+    def keeps_target_output(options: Mapping[str, Any]) -> bool:
+        return options["max_width"] == 1  # one beam: a draft chain, greedy decoding's tokens
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
         if self.lookup is None:
-            return self._draft(runtime, requests, [r.options["max_nodes"] for r in requests], [[] for _ in requests])
+            # priced, a chain (max_width 1) runs only where its first node's learnt value pays
+            ledger = self.start_ledger()
+            first = [_CHAIN_START if r.options["max_width"] == 1 else None for r in requests]
+            return self.gated(runtime, requests, first, lambda rs, caps: self._draft(runtime, rs, caps, None, ledger))
+        self.ledger = None  # the lookup's nodes are valued by its own budget, not in a ledger
         fills = [fill_shape(r.options["max_width"], r.options["num_speculative_tokens"]) for r in requests]
         return self.lookup.propose(
             runtime, requests, fills, lambda rs, caps, ex: self._draft(runtime, rs, caps, ex), mixed_forest
@@ -137,17 +152,24 @@ class DsbdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         self,
         runtime: DraftRuntime,
         requests: list[DraftRequest],
-        caps: Sequence[int],
-        excludes: Sequence[Sequence[int]],
+        caps: Sequence[int | None],
+        excludes: Sequence[Sequence[int]] | None,
+        ledger: StepLedger | None = None,
     ) -> list[DraftTree]:
-        """The draft model's forests: at most ``caps`` nodes each, first depths without the ``excludes`` tokens."""
-        sizes = [(r.options["num_speculative_tokens"], r.options["max_width"], cap) for r, cap in zip(requests, caps)]
+        """The draft model's forests: at most ``caps`` nodes each (``None``: ``max_nodes``), first
+        depths without the ``excludes`` tokens; chains priced by the step's ``ledger`` (:func:`draft_beams`)."""
+        excludes = [[] for _ in requests] if excludes is None else excludes
+        nodes = [
+            r.options["max_nodes"] if cap is None else min(cap, r.options["max_nodes"])
+            for r, cap in zip(requests, caps)
+        ]
+        sizes = [(r.options["num_speculative_tokens"], r.options["max_width"], n) for r, n in zip(requests, nodes)]
         synced = runtime.sync_many([(r.req_id, r.token_ids, most_fed(*size)) for r, size in zip(requests, sizes)])
         beams = [  # None: no slots for the tree, a depth or node budget of 0, or nothing left to draw
             None if logits is None or 0 in size else _start(r, logits, size[2], exclude)
             for r, size, logits, exclude in zip(requests, sizes, synced, excludes)
         ]
-        draft_beams(runtime, [b for b in beams if b is not None], self.generator)
+        draft_beams(runtime, [b for b in beams if b is not None], self.generator, ledger)
         return [DraftTree.empty() if b is None else b.forest() for b in beams]
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
@@ -179,13 +201,33 @@ def _start(
     return beams
 
 
-def draft_beams(runtime: DraftRuntime, beams: list[DraftBeams], generator: torch.Generator | None) -> None:
-    """Advance every request's beams to their last depth, one batched draft
-    forward per depth for all requests still drafting (draws in request order)."""
+def draft_beams(
+    runtime: DraftRuntime, beams: list[DraftBeams], generator: torch.Generator | None, ledger: StepLedger | None = None
+) -> None:
+    """Advance every request's beams to their last depth, one batched draft forward per depth for
+    all requests still drafting (draws in request order). Given the step's ``ledger`` (not a
+    probe's), each node of a one-beam chain (``max_width: 1``) is valued at its draft probability,
+    and a chain is fed for its next node only where that node, guessed as likely as the last one
+    given its parent, pays for its row and its share of the forward (:func:`forwards_that_pay`);
+    beams of more are drafted whatever it costs, the ledger unvalued."""
+    priced = ledger is not None and not ledger.probing
+    if ledger is not None:
+        ledger.unvalued |= not priced or not all(b.is_chain for b in beams)
     drafting = list(beams)
     while drafting:
         depth = [(b, b.select(generator)) for b in drafting]
         drafting = [b for b, _ in depth if not b.done]
+        if priced:
+            assert ledger is not None
+            for b, (tokens, _) in depth:
+                if tokens:
+                    ledger.add(b.chain_value(-1) if b.is_chain else 0.0, len(tokens))
+            chains = [b for b in drafting if b.is_chain]
+            fixed = sum(len(b.live) for b in drafting if not b.is_chain)
+            chosen = forwards_that_pay(ledger, [b.next_guess() for b in chains], [1] * len(chains), fixed)
+            for k in set(range(len(chains))) - set(chosen):
+                chains[k].stop()
+            drafting = [b for b in drafting if not b.done]
         logits = runtime.extend_many([(b.req_id, *nodes) for b, nodes in depth if not b.done])
         for b, rows in zip(drafting, logits):
             b.take(rows)
@@ -230,6 +272,24 @@ class DraftBeams(ABC):
     @property
     def done(self) -> bool:
         return self.depth == len(self.widths) or len(self.tokens) >= self.max_nodes
+
+    @property
+    def is_chain(self) -> bool:
+        """One beam: every depth draws one pair (``max_width: 1``)."""
+        return max(self.widths, default=1) == 1
+
+    def chain_value(self, node: int) -> float:
+        """A chain node's draft probability given the committed text: its estimated acceptance."""
+        return math.exp(self.node_scores[node])
+
+    def next_guess(self) -> float:
+        """A chain's next node's estimated acceptance, were it as likely as the last given its parent."""
+        last = self.chain_value(-1)
+        return last * last / (self.chain_value(-2) if len(self.node_scores) > 1 else 1.0)
+
+    def stop(self) -> None:
+        """Draft no further depth."""
+        self.max_nodes = len(self.tokens)
 
     def select(self, generator: torch.Generator | None) -> tuple[list[int], list[int]]:
         """Choose the next depth's pairs; the new nodes' tokens and parents."""

@@ -423,11 +423,12 @@ class LookupFirstDrafter:
 
     @property
     def cuts_to_step_cost(self) -> bool:
-        return self.lookup is not None
+        return self.lookup is not None or super().cuts_to_step_cost  # type: ignore[misc]
 
     def plan_step(self, prices: StepPrices) -> None:
-        assert self.lookup is not None  # asked only when cuts_to_step_cost
-        self.lookup.prices = prices
+        super().plan_step(prices)  # type: ignore[misc]  # a priced draft model's own
+        if self.lookup is not None:
+            self.lookup.prices = prices
 
     @staticmethod
     def salted_index(options: Mapping[str, Any]) -> bool:

@@ -34,9 +34,9 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from vllm_specbeam.core.budget import StepBudget, TreeShape, path_values
+from vllm_specbeam.core.budget import TreeShape
 from vllm_specbeam.core.config import AUTO, LOOKUP_OPTIONS, Option, SpecbeamConfigError
-from vllm_specbeam.core.controller import DraftGate, StepLedger, StepPrices, paying_share
+from vllm_specbeam.core.controller import StepLedger, forwards_that_pay
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import ROOT, DraftTree
 from vllm_specbeam.draft_runtime.base import DraftRuntime
@@ -47,6 +47,7 @@ from vllm_specbeam.draft_runtime.drafter import (
     draft_temperature,
     sampling_probs,
 )
+from vllm_specbeam.draft_runtime.priced import PricedDraftModel
 from vllm_specbeam.methods.lookup_tree import branches as lookup_branches
 from vllm_specbeam.methods.mcsd import stopping
 from vllm_specbeam.methods.mcsd.maths import (
@@ -225,17 +226,15 @@ def _levels_that_pay(
 def _extends_that_pay(growing: list[_Growth], ledger: StepLedger) -> list[_Growth]:
     """The growths whose frontier the next draft forward feeds: the unpriced ones, and the priced
     ones whose next level's guessed value pays for its rows and their share of the forward
-    (charged to ``ledger``; the unpriced ones' rows are fed whatever it costs)."""
+    (:func:`~vllm_specbeam.core.controller.forwards_that_pay`)."""
     priced = [g for g in growing if g.priced]
     fixed = sum(len(g.frontier) for g in growing if not g.priced)
-    nodes = [len(g.frontier) for g in priced]
-    chosen = paying_share(ledger, [g.next_guess() for g in priced], nodes, nodes, fixed)
-    ledger.add(0.0, 0, [fixed + sum(nodes[k] for k in chosen)])
+    chosen = forwards_that_pay(ledger, [g.next_guess() for g in priced], [len(g.frontier) for g in priced], fixed)
     extending = {id(priced[k]) for k in chosen}
     return [g for g in growing if not g.priced or id(g) in extending]
 
 
-class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
+class McsdDrafter(lookup_branches.LookupFirstDrafter, PricedDraftModel, DraftModelDrafter):
     """Multi-candidate trees with dynamic depth (see the module docstring)."""
 
     OPTIONS: ClassVar[dict[str, Option]] = {
@@ -315,38 +314,21 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
         self.stop_model = stopping.load_stop_model(path) if path else None
         #: what watches the scored rows (``None``: serving; ``vllm-specbeam mcsd train`` installs one)
         self.observer: ScoreObserver | None = None
-        #: what the runner measured (:meth:`plan_step`); ``None``: drafting unpriced (the threshold decides)
-        self.prices: StepPrices | None = None
-        #: without lookup branches: the draft's acceptance per depth and rank, learnt from the committed
-        #: tokens, and which requests a priced draft drafts for (with them, the lookup's own)
-        self.values = StepBudget()
-        self.gate = DraftGate()
-        #: the last step's account (``None``: unpriced)
-        self._ledger: StepLedger | None = None
-
-    @property
-    def cuts_to_step_cost(self) -> bool:
-        return True
-
-    def plan_step(self, prices: StepPrices) -> None:
-        self.prices = prices
-        if self.lookup is not None:
-            super().plan_step(prices)
-
-    @property
-    def expected_gain(self) -> float | None:
-        ledger = self._ledger
-        if ledger is None or ledger.unvalued or self.prices is None:
-            return None
-        return ledger.tokens - self.prices.batch_size
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         runtime = self.ready_runtime()
         if self.observer is not None:
             self.observer.proposing(requests)
-        ledger = self._ledger = None if self.prices is None else StepLedger.of(self.prices)
+        ledger = self.start_ledger()
         if self.lookup is None:
-            return self._draft_alone(runtime, requests, ledger)
+            # priced, the draft runs only where its first level's learnt value pays for its share
+            first = [
+                _first_level(tuple(r.options["k_config"])) if r.options["stop_threshold"] == AUTO else None
+                for r in requests
+            ]
+            return self.gated(
+                runtime, requests, first, lambda rs, caps: self._draft(runtime, rs, caps, [[] for _ in rs], ledger)
+            )
         fills = [_shape(tuple(r.options["k_config"]), r.options["num_speculative_tokens"]) for r in requests]
         return self.lookup.propose(
             runtime,
@@ -356,31 +338,6 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, DraftModelDrafter):
             ledger=ledger,
             unpriced_threshold=UNPRICED_THRESHOLD,
         )
-
-    def _draft_alone(
-        self, runtime: DraftRuntime, requests: list[DraftRequest], ledger: StepLedger | None
-    ) -> list[DraftTree]:
-        """The draft's trees without lookup branches; priced, only for the requests whose first
-        level's learnt value pays for their share of the draft forward, catch-up included (the
-        others run none: ``runtime.defer``)."""
-        for request in requests:
-            self.values.judge(request.req_id, request.token_ids)
-        drafting, caps = list(range(len(requests))), list[int | None]([None] * len(requests))
-        if ledger is not None:
-            gated = [k for k, r in enumerate(requests) if r.options["stop_threshold"] == AUTO]
-            shapes = [_first_level(tuple(requests[k].options["k_config"])) for k in gated]
-            first = [path_values(shape, self.values.rates(requests[k].req_id)) for shape, k in zip(shapes, gated)]
-            fed = [runtime.sync_rows(requests[k].req_id, requests[k].token_ids) for k in gated]
-            chosen = [gated[k] for k in self.gate.choose(ledger, [sum(v) for v in first], [len(v) for v in first], fed)]
-            drafting = sorted(set(drafting) - set(gated) | set(chosen))
-            caps = [1 if ledger.probing and k in chosen else None for k in drafting]
-            runtime.defer([r.req_id for k, r in enumerate(requests) if k not in drafting])
-        trees = [DraftTree.empty() for _ in requests]
-        asked = [requests[k] for k in drafting]
-        for k, tree in zip(drafting, self._draft(runtime, asked, caps, [[] for _ in asked], ledger)):
-            trees[k] = tree
-            self.values.drafted(requests[k].req_id, tree, requests[k].token_ids.size)
-        return trees
 
     def _draft(
         self,

@@ -60,6 +60,10 @@ class MjsdDrafter(DraftModelDrafter):
     CAPPED_BY_ENGINE: ClassVar[tuple[str, ...]] = ("beam_width",)
 
     @staticmethod
+    def keeps_target_output(options: Mapping[str, Any]) -> bool:
+        return False  # the joint threshold accepts what the target's own rule would not
+
+    @staticmethod
     def check_options(options: Mapping[str, Any]) -> None:
         if options["num_beams_verified"] > options["beam_width"]:
             raise SpecbeamConfigError(
