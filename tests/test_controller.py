@@ -17,13 +17,16 @@ from test_mcsd import drafter, request
 
 from vllm_specbeam.core.budget import BatchCost, StepCost, choose_nodes
 from vllm_specbeam.core.controller import (
+    LONGEST_REST,
     MAX_OFF_STEPS,
+    PROBE_SHARE,
     REST_BELOW,
     DraftGate,
     StepLedger,
     StepPrices,
     Switch,
     load_bucket,
+    overhead,
     paying_share,
     utility,
 )
@@ -198,6 +201,30 @@ def test_the_switch_rests_at_most_max_off_steps_and_probes_when_the_batch_change
     assert switch.drafts(["a", "b"])  # a request came: the load it was judged at is gone
 
 
+@pytest.mark.parametrize("probe_overhead", [0.1, 0.58, 5.0])
+def test_long_rests_space_the_probes_so_they_cost_at_most_probe_share(probe_overhead: float) -> None:
+    """A probe costing ``probe_overhead`` of a plain step (a draft's catch-up at batch 8): once the
+    rests reached MAX_OFF_STEPS, they stretch until the probes cost PROBE_SHARE of the time,
+    up to LONGEST_REST; a cheap probe keeps MAX_OFF_STEPS."""
+    switch, batch, drafted = Switch(), ["a"] * 8, []
+    for step in range(1000):
+        if switch.drafts(batch):
+            drafted.append(step)
+            switch.after(None, priced_out=True, overhead=probe_overhead)
+    gaps = np.diff(drafted)
+    assert gaps[:4].tolist() == [2, 3, 5, 9]  # rests 1, 2, 4, 8 whatever the price
+    steady = max(MAX_OFF_STEPS, min(int(np.ceil(probe_overhead / PROBE_SHARE)), LONGEST_REST))
+    assert gaps[-1] == steady + 1 and max(gaps) == steady + 1
+    if steady < LONGEST_REST:
+        assert probe_overhead / (gaps[-1] - 1 + probe_overhead) <= PROBE_SHARE * 1.001
+
+
+def test_the_overhead_example() -> None:
+    prices = StepPrices(8, StepCost(0.040, 0.0005))
+    assert overhead(prices, 1, 0.013) == pytest.approx(57.5 / 44 - 1)
+    assert overhead(StepPrices(8, None), 1, 0.013) is None
+
+
 def test_requests_coming_and_going_at_one_load_do_not_wake_a_resting_batch() -> None:
     """A served batch changes nearly every step; only a load half or twice as large probes at once."""
     switch, drafted = Switch(), []
@@ -225,6 +252,18 @@ def test_the_gate_probes_the_best_request_alone_on_a_back_off() -> None:
     assert ledger is not None
     assert gate.choose(ledger, [0.2, 0.7], [1, 1], [1, 1]) == [0, 1] and not ledger.probing
     assert ledger.draft_seconds == 0.0 and ledger.rows == 2  # the forward is charged, the levels are not
+
+
+def test_the_gate_probes_at_every_step_after_the_batch_rest() -> None:
+    """The switch spaces its own probes; a gate resting on its back-off would multiply the rests."""
+    gate = DraftGate()
+    for _step in range(6):
+        ledger = StepLedger.of(StepPrices(2, TARGET, DEAR, probe=True))
+        assert ledger is not None
+        assert gate.choose(ledger, [0.2, 0.7], [1, 1], [1, 1]) == [1] and ledger.probing
+        assert ledger.probed_alone(2)
+    ledger = StepLedger.of(StepPrices(2, TARGET, DEAR))
+    assert ledger is not None and gate.choose(ledger, [0.2, 0.7], [1, 1], [1, 1]) == []  # its back-off rests
 
 
 def test_the_gate_charges_each_requests_catch_up_and_probes_the_cheapest() -> None:
@@ -381,3 +420,30 @@ def test_a_request_asking_for_beams_keeps_a_resting_chain_engine_drafting() -> N
     assert not drafting.drafts_this_step(["a", "b"], [plain, plain])
     wide, _ = dsbd(None, max_width=4)
     assert TreeDrafting(SpecbeamConfig("dsbd", wide.options), wide, TreeCounts()).switch is None
+
+
+def test_a_step_that_only_probed_the_draft_rests_the_batch() -> None:
+    """Dear draft forwards at batch 1: each step after a rest drafts the gate's probe (one node)
+    and rests again, the rests doubling as after a priced-out step. Counted as paying (its value
+    unknown), the probe would wake the batch; a gate on its own back-off would skip probes."""
+    from vllm import SamplingParams
+
+    from vllm_specbeam.adapter.drafting import TreeDrafting
+    from vllm_specbeam.adapter.step_selection import BatchRequest
+    from vllm_specbeam.adapter.tree_counts import TreeCounts
+    from vllm_specbeam.core.config import SpecbeamConfig
+
+    d, _ = dsbd(None)
+    drafting = TreeDrafting(SpecbeamConfig("dsbd", d.options), d, TreeCounts())
+    assert drafting.budget is not None
+    drafting.budget.cost = TARGET
+    params, tokens, drafted = SamplingParams(temperature=0.0, max_tokens=100), [5, 6], []
+    for step in range(60):
+        if drafting.drafts_this_step(["a"], [params]):
+            batch = [BatchRequest("a", 0, params, len(tokens) - 2, np.asarray(tokens), True)]
+            nodes = len(drafting.propose(batch, 4096, DEAR).drafts[0])
+            assert nodes == 1
+            drafted.append(step)
+        tokens.append(1000 + step)
+    assert np.diff(drafted).tolist() == [2, 3, 5, 9, 17, 17]
+    assert drafting.counts.steps_probed == len(drafted) - 1

@@ -27,7 +27,7 @@ from vllm_specbeam.adapter.step_timing import StepTimer
 from vllm_specbeam.adapter.tree_counts import TreeCounts
 from vllm_specbeam.core.budget import StepBudget, StepCost
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig
-from vllm_specbeam.core.controller import StepPrices, Switch, utility
+from vllm_specbeam.core.controller import StepPrices, Switch, overhead, utility
 from vllm_specbeam.core.drafter import TreeDrafter
 from vllm_specbeam.core.tree import DraftTree
 
@@ -59,6 +59,8 @@ class TreeDrafting:
         #: whether the batch drafts at all (options that keep the target's output: lossy ones draft
         #: what their output means)
         self.switch = Switch() if self.budget is not None and drafter.keeps_target_output(config.options) else None
+        #: this step follows the batch's rest: drafts that do not pay are probed
+        self.probing = False
 
     def observe_committed(
         self, req_ids: Sequence[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray
@@ -79,6 +81,7 @@ class TreeDrafting:
         the draft model feeds nothing (it catches up at its next sync)."""
         counts, switch = self.counts, self.switch
         counts.steps += 1
+        self.probing = False
         if switch is None or not self._all_keep_target_output(params):
             return True
         assert self.timer is not None and self.budget is not None  # a switch runs only with a budget
@@ -86,7 +89,8 @@ class TreeDrafting:
             switch.rest()  # the plain step's own time is due again (it may have drifted)
         drafts = switch.drafts(req_ids)
         counts.steps_off += not drafts
-        if drafts and switch.probing:  # every request drafts, none sitting out
+        self.probing = drafts and switch.probing
+        if self.probing:  # every request drafts, none sitting out
             counts.steps_probed += 1
             self.budget.wake()
         return drafts
@@ -110,6 +114,7 @@ class TreeDrafting:
             draft_cost,
             None if budget is None else budget.plain_cost,
             None if budget is None else budget.chain_cost,
+            probe=self.probing,
         )
         start = time.perf_counter()
         if budget is not None and self.drafter.cuts_to_step_cost:
@@ -162,7 +167,8 @@ class TreeDrafting:
         offered = offered or (gain is not None and prices_own and bool(automatic))
         branched = prices_own or self.budget.kept_branches
         judged = None if gain is None else utility(prices, gain, rows, seconds, branched)
-        self.switch.after(judged, offered and rows == 0)
+        priced_out = (offered and rows == 0) or self.drafter.probed
+        self.switch.after(judged, priced_out, overhead(prices, rows, seconds, branched))
 
 
 def batch_requests(

@@ -24,13 +24,19 @@ nothing, and probes to come back (rationale: docs/budget.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_specbeam.core.budget import BackOff, BatchCost, StepCost, step_line
 
-#: longest run of steps a batch goes without drafting before it probes again (it probes after 1, 2, 4, ...)
+#: the rests double up to this many steps (a batch probes after 1, 2, 4, ... resting steps)
 MAX_OFF_STEPS = 16
+#: at most this share of a resting batch's time goes to its probes: a probe dearer than
+#: ``PROBE_SHARE * MAX_OFF_STEPS`` plain steps (a draft's catch-up at a large batch) rests longer
+PROBE_SHARE = 0.02
+#: the longest rest, however dear the probes
+LONGEST_REST = 64
 #: how much of a batch's drafting utility carries over to the next drafting step (about 3 steps' memory)
 UTILITY_MEMORY = 0.7
 #: a batch rests while its average utility is below this: drafting that costs a step 1 % and finds
@@ -52,6 +58,8 @@ class StepPrices:
     plain: StepCost | None = None
     #: seconds of a target step whose trees are all chains, by rows (:func:`~.budget.step_line`)
     chain: StepCost | None = None
+    #: the step follows the batch's rest (:class:`Switch`): a draft that does not pay is probed
+    probe: bool = False
 
     @property
     def step(self) -> BatchCost | None:
@@ -73,6 +81,8 @@ class StepLedger:
     tokens: float
     rows: int
     draft_seconds: float = 0.0
+    #: the step follows the batch's rest (:attr:`StepPrices.probe`): a draft that does not pay is probed
+    probe_due: bool = False
     #: the step drafts a probe (:class:`DraftGate`): its one node is drafted whatever it costs
     probing: bool = False
     #: some of its nodes were drafted unpriced (a probe, a request's own threshold): ``tokens`` lacks their value
@@ -85,7 +95,12 @@ class StepLedger:
         step = prices.step
         if step is None:
             return None
-        return cls(step, prices.draft, float(prices.batch_size), prices.batch_size + other_rows)
+        tokens = float(prices.batch_size)
+        return cls(step, prices.draft, tokens, prices.batch_size + other_rows, probe_due=prices.probe)
+
+    def probed_alone(self, batch_size: int) -> bool:
+        """Whether the step drafts a probe and nothing valued beside it (the switch rests after it)."""
+        return self.probing and self.tokens <= batch_size
 
     @property
     def seconds(self) -> float:
@@ -178,7 +193,8 @@ class DraftGate:
     rested catches up only where the catch-up pays; the others keep waiting.
     A draft's value is learnt only from its tries, so when no share pays, the
     request of the most tokens per second is drafted alone, with one node, on a back-off
-    (after 1, 2, 4, 8 refused steps): a value that fell below its price can
+    (after 1, 2, 4, 8 refused steps), and at each step after the batch's rest
+    (:attr:`StepPrices.probe`; the switch spaces those): a value that fell below its price can
     rise again, at the price of one small forward in several steps.
     """
 
@@ -187,11 +203,12 @@ class DraftGate:
 
     def choose(self, ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int]) -> list[int]:
         """The requests that draft (``fed``: the rows each one's sync feeds the draft), their forward
-        charged to ``ledger``; a probe sets :attr:`StepLedger.probing`."""
+        charged to ``ledger``; a probe (its back-off's, or :attr:`StepLedger.probe_due`) sets
+        :attr:`StepLedger.probing`."""
         chosen = paying_share(ledger, gains, rows, fed)
         if chosen:
             self.rest.after(paid=True)
-        elif gains and self.rest.allows():  # the probe: the most tokens per second of its own
+        elif gains and (self.rest.allows() or ledger.probe_due):  # the probe: the most tokens per second of its own
             self.rest.after(paid=False)
             own = own_rates(ledger, gains, rows, fed)
             chosen, ledger.probing = [max(range(len(gains)), key=lambda k: own[k])], True
@@ -211,6 +228,17 @@ def utility(prices: StepPrices, gain: float, rows: int, draft_seconds: float, br
     batch = prices.batch_size
     plain = batch / max(float(step.seconds(batch)), 1e-9)
     return (batch + gain) / max(float(step.seconds(batch + rows)) + draft_seconds, 1e-9) / plain
+
+
+def overhead(prices: StepPrices, rows: int, draft_seconds: float, branched: bool = True) -> float | None:
+    """A drafting step's seconds over a plain step's, less one: what ``rows`` verified rows and
+    ``draft_seconds`` of drafting added (``None`` before the target's steps were timed). Example:
+    ``C(R) = 40 + 0.5 R`` ms, 8 requests, 1 row after a 13 ms catch-up: ``57.5 / 44 - 1 = 0.31``."""
+    step = prices.step_of(branched)
+    if step is None:
+        return None
+    plain = max(float(step.seconds(prices.batch_size)), 1e-9)
+    return (float(step.seconds(prices.batch_size + rows)) + draft_seconds) / plain - 1
 
 
 def load_bucket(batch_size: int) -> int:
@@ -234,8 +262,12 @@ class Switch:
     gone. Requests that come and go at the same load (a server's continuous batch, where
     the batch changes nearly every step) do not: they would keep a batch that should rest
     drafting every step. A step whose drafts were all
-    priced out rests the batch too (it would ask the drafter for nothing again); a
-    step of unknown utility (unpriced drafts) counts as paying.
+    priced out rests the batch too (it would ask the drafter for nothing again), as does a step
+    that only probed a draft (:class:`DraftGate`); a
+    step of unknown utility (unpriced drafts) counts as paying. Rests that reached
+    :data:`MAX_OFF_STEPS` grow until a probe costs at most :data:`PROBE_SHARE` of the rest
+    (its :func:`overhead` over a plain step, up to :data:`LONGEST_REST` steps): at a batch
+    where a draft's catch-up costs half a step, a probe every 25 steps.
 
     Example: utilities 0.5 at steps 0 and 2, a probe at 5 of 1.2, then 0.4 at 6
     (averaged with 1.2: 0.96): off at 1, 3-4; on at 5; off 7-8 (the rest halved from 4 to 2).
@@ -265,14 +297,18 @@ class Switch:
         """Rest the next step whatever the utility (the runner times a plain step)."""
         self._rest.left = max(self._rest.left, 1)
 
-    def after(self, utility: float | None, priced_out: bool = False) -> None:
+    def after(self, utility: float | None, priced_out: bool = False, overhead: float | None = None) -> None:
         """Record a drafting step's :func:`utility`; ``priced_out``: the controller kept none of the
-        drafts there were (the batch rests, whatever the average)."""
+        drafts there were, or only probed them (the batch rests, whatever the average);
+        ``overhead``: the step's :func:`overhead`, which spaces the probes of a long rest."""
         if utility is not None:
             last = self._utility
             self._utility = utility if last is None else UTILITY_MEMORY * last + (1 - UTILITY_MEMORY) * utility
-        paid = self._utility is None or self._utility >= REST_BELOW
-        self._rest.after(paid=paid and not priced_out)
+        paid = (self._utility is None or self._utility >= REST_BELOW) and not priced_out
+        self._rest.after(paid=paid)
+        if not paid and overhead is not None and self._rest.left >= MAX_OFF_STEPS:
+            share_rest = min(math.ceil(overhead / PROBE_SHARE), LONGEST_REST)
+            self._rest.left = max(self._rest.left, share_rest)
 
     @property
     def off(self) -> bool:
