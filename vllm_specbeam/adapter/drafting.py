@@ -167,8 +167,7 @@ class TreeDrafting:
         offered = offered or (gain is not None and prices_own and bool(automatic))
         branched = prices_own or self.budget.kept_branches
         judged = None if gain is None else utility(prices, gain, rows, seconds, branched)
-        priced_out = (offered and rows == 0) or self.drafter.probed
-        self.switch.after(judged, priced_out, overhead(prices, rows, seconds, branched))
+        self.switch.after(judged, offered and rows == 0, overhead(prices, rows, seconds, branched))
 
 
 def batch_requests(

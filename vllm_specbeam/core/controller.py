@@ -83,7 +83,8 @@ class StepLedger:
     draft_seconds: float = 0.0
     #: the step follows the batch's rest (:attr:`StepPrices.probe`): a draft that does not pay is probed
     probe_due: bool = False
-    #: the step drafts a probe (:class:`DraftGate`): its one node is drafted whatever it costs
+    #: the step drafts a probe (:class:`DraftGate`): its one node is drafted whatever it costs,
+    #: valued at nothing (the tokens the target commits value it)
     probing: bool = False
     #: some of its nodes were drafted unpriced (a probe, a request's own threshold): ``tokens`` lacks their value
     unvalued: bool = False
@@ -97,10 +98,6 @@ class StepLedger:
             return None
         tokens = float(prices.batch_size)
         return cls(step, prices.draft, tokens, prices.batch_size + other_rows, probe_due=prices.probe)
-
-    def probed_alone(self, batch_size: int) -> bool:
-        """Whether the step drafts a probe and nothing valued beside it (the switch rests after it)."""
-        return self.probing and self.tokens <= batch_size
 
     @property
     def seconds(self) -> float:
@@ -262,8 +259,8 @@ class Switch:
     gone. Requests that come and go at the same load (a server's continuous batch, where
     the batch changes nearly every step) do not: they would keep a batch that should rest
     drafting every step. A step whose drafts were all
-    priced out rests the batch too (it would ask the drafter for nothing again), as does a step
-    that only probed a draft (:class:`DraftGate`); a
+    priced out rests the batch too (it would ask the drafter for nothing again); a draft's
+    probe (:class:`DraftGate`) is valued at nothing, so a step that only probed rests it too; a
     step of unknown utility (unpriced drafts) counts as paying. Rests that reached
     :data:`MAX_OFF_STEPS` grow until a probe costs at most :data:`PROBE_SHARE` of the rest
     (its :func:`overhead` over a plain step, up to :data:`LONGEST_REST` steps): at a batch

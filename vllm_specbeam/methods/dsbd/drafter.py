@@ -209,10 +209,11 @@ def draft_beams(
     probe's), each node of a one-beam chain (``max_width: 1``) is valued at its draft probability,
     and a chain is fed for its next node only where that node, guessed as likely as the last one
     given its parent, pays for its row and its share of the forward (:func:`forwards_that_pay`);
-    beams of more are drafted whatever it costs, the ledger unvalued."""
+    beams of more are drafted whatever it costs, the ledger unvalued. A probe's node is valued
+    at nothing: the step pays for it, the tokens the target commits value it."""
     priced = ledger is not None and not ledger.probing
     if ledger is not None:
-        ledger.unvalued |= not priced or not all(b.is_chain for b in beams)
+        ledger.unvalued |= not all(b.is_chain for b in beams)
     drafting = list(beams)
     while drafting:
         depth = [(b, b.select(generator)) for b in drafting]

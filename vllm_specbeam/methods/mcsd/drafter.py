@@ -113,6 +113,8 @@ class _Growth:
         #: each level and draft forward priced (:func:`_levels_that_pay`), else held to ``threshold``
         threshold = request.options["stop_threshold"]
         self.priced = priced and threshold == AUTO
+        #: drafted by the request's own ``stop_threshold``, not by the step's prices
+        self.threshold_fixed = threshold != AUTO
         self.threshold = UNPRICED_THRESHOLD if threshold == AUTO else float(threshold)
         #: most nodes to draft (``None``: the whole ``widths`` tree), and first-level tokens not to draft
         self.cap = cap
@@ -354,14 +356,15 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, PricedDraftModel, DraftMod
         reserve = [sum(level_sizes(r.options["k_config"], len(w))[:-1]) for r, w in zip(requests, widths)]
         reserve = [n if cap is None else min(n, cap) for n, cap in zip(reserve, caps)]
         synced = runtime.sync_many([(r.req_id, r.token_ids, n) for r, n in zip(requests, reserve)])
-        priced = ledger is not None and not ledger.probing  # a probe is drafted whatever it costs
+        # a probe is drafted whatever it costs and valued at nothing (the committed tokens value it)
+        priced = ledger is not None and not ledger.probing
         growths = [
             None if logits is None else _Growth(r, w, logits, cap, exclude, priced)
             for r, w, logits, cap, exclude in zip(requests, widths, synced, caps, excludes)
         ]
         growing = [g for g in growths if g is not None]
-        if ledger is not None:
-            ledger.unvalued |= not all(g.priced for g in growing)
+        if ledger is not None:  # requests drafted by their own threshold leave the step unvalued
+            ledger.unvalued |= any(g.threshold_fixed for g in growing)
         scored = None
         if growing and (self.observer is not None or priced):
             scored = self._score(growing, [len(r.token_ids) for r, g in zip(requests, growths) if g is not None])
