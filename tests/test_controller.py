@@ -201,16 +201,20 @@ def test_the_switch_rests_at_most_max_off_steps_and_probes_when_the_batch_change
     assert switch.drafts(["a", "b"])  # a request came: the load it was judged at is gone
 
 
+@pytest.mark.parametrize("draft_probe", [False, True])
 @pytest.mark.parametrize("probe_overhead", [0.1, 0.58, 5.0])
-def test_long_rests_space_the_probes_so_they_cost_at_most_probe_share(probe_overhead: float) -> None:
-    """A probe costing ``probe_overhead`` of a plain step (a draft's catch-up at batch 8): once the
-    rests reached MAX_OFF_STEPS, they stretch until the probes cost PROBE_SHARE of the time,
-    up to LONGEST_REST; a cheap probe keeps MAX_OFF_STEPS."""
+def test_long_rests_space_the_probes_so_they_cost_at_most_probe_share(probe_overhead: float, draft_probe: bool) -> None:
+    """A probe costing ``probe_overhead`` of a plain step (a draft's catch-up at batch 8; a draft's
+    probe is priced at the step that judges it): once the rests reached MAX_OFF_STEPS, they
+    stretch until the probes cost PROBE_SHARE of the time, up to LONGEST_REST; a cheap probe
+    keeps MAX_OFF_STEPS."""
     switch, batch, drafted = Switch(), ["a"] * 8, []
     for step in range(1000):
         if switch.drafts(batch):
             drafted.append(step)
-            switch.after(None, priced_out=True, overhead=probe_overhead)
+            if draft_probe:
+                switch.probed(probe_overhead)
+            switch.after(None, priced_out=True, overhead=0.0 if draft_probe else probe_overhead)
     gaps = np.diff(drafted)
     assert gaps[:4].tolist() == [2, 3, 5, 9]  # rests 1, 2, 4, 8 whatever the price
     steady = max(MAX_OFF_STEPS, min(int(np.ceil(probe_overhead / PROBE_SHARE)), LONGEST_REST))
@@ -421,10 +425,11 @@ def test_a_request_asking_for_beams_keeps_a_resting_chain_engine_drafting() -> N
     assert TreeDrafting(SpecbeamConfig("dsbd", wide.options), wide, TreeCounts()).switch is None
 
 
-def test_a_step_that_only_probed_the_draft_rests_the_batch() -> None:
-    """Dear draft forwards at batch 1: each step after a rest drafts the gate's probe (one node),
-    valued at nothing, and rests again, the rests doubling. Counted as paying (its value
-    unknown), the probe would wake the batch; a gate on its own back-off would skip probes."""
+def test_a_step_that_only_probed_the_draft_is_judged_at_the_next() -> None:
+    """Dear draft forwards at batch 1: each step after a rest drafts the gate's probe (one node,
+    valued at nothing), the next step refuses the draft on price and rests the batch, the rests
+    doubling. Counted as paying, the probe would halve the rests; counted as refused, it would
+    rest the batch before its node is judged; a gate on its own back-off would skip probes."""
     from vllm import SamplingParams
 
     from vllm_specbeam.adapter.drafting import TreeDrafting
@@ -436,13 +441,14 @@ def test_a_step_that_only_probed_the_draft_rests_the_batch() -> None:
     drafting = TreeDrafting(SpecbeamConfig("dsbd", d.options), d, TreeCounts())
     assert drafting.budget is not None
     drafting.budget.cost = StepCost(0.038, 0.005)  # a row costs 13 % of the step
-    params, tokens, drafted = SamplingParams(temperature=0.0, max_tokens=100), [5, 6], []
+    params, tokens, probes, refused = SamplingParams(temperature=0.0, max_tokens=100), [5, 6], [], []
     for step in range(60):
         if drafting.drafts_this_step(["a"], [params]):
             batch = [BatchRequest("a", 0, params, len(tokens) - 2, np.asarray(tokens), True)]
             nodes = len(drafting.propose(batch, 4096, DEAR).drafts[0])
-            assert nodes == 1 and d.expected_gain == 0.0
-            drafted.append(step)
+            assert nodes in (0, 1) and (nodes == 0 or d.expected_gain == 0.0)
+            (probes if nodes else refused).append(step)
         tokens.append(1000 + step)
-    assert np.diff(drafted).tolist() == [2, 3, 5, 9, 17, 17]
-    assert drafting.counts.steps_probed == len(drafted) - 1
+    assert refused == [p + 1 for p in probes][: len(refused)]  # each probe judged at the next step
+    assert np.diff(probes).tolist() == [3, 4, 6, 10, 18, 18]  # rests 1, 2, 4, 8, 16, 16
+    assert drafting.counts.steps_probed == len(probes) - 1

@@ -159,15 +159,20 @@ class TreeDrafting:
     ) -> None:
         """Tell the switch what this drafting step was worth: its :func:`utility`, and whether it was
         priced out (drafts were there to verify, or a drafter that prices its own drafts was asked,
-        and the controller kept none: the batch then rests whatever the utility)."""
+        and the controller kept none: the batch then rests whatever the utility); a step of a
+        draft's probe alone waits for the next step's judgement."""
         assert self.switch is not None and self.budget is not None  # a switch runs only with a budget
         prices_own = self.drafter.cuts_to_step_cost
         gain = self.drafter.expected_gain if prices_own else budget_gain(automatic, self.budget.kept_value)
         rows = sum(map(len, drafts))
         offered = offered or (gain is not None and prices_own and bool(automatic))
         branched = prices_own or self.budget.kept_branches
+        step_overhead = overhead(prices, rows, seconds, branched)
+        if self.drafter.probed:
+            self.switch.probed(step_overhead)
+            return
         judged = None if gain is None else utility(prices, gain, rows, seconds, branched)
-        self.switch.after(judged, offered and rows == 0, overhead(prices, rows, seconds, branched))
+        self.switch.after(judged, offered and rows == 0, step_overhead)
 
 
 def batch_requests(

@@ -99,6 +99,10 @@ class StepLedger:
         tokens = float(prices.batch_size)
         return cls(step, prices.draft, tokens, prices.batch_size + other_rows, probe_due=prices.probe)
 
+    def probed_alone(self, batch_size: int) -> bool:
+        """Whether the step drafts a probe and nothing valued beside it."""
+        return self.probing and self.tokens <= batch_size
+
     @property
     def seconds(self) -> float:
         """The step's seconds so far (a planted free step costs a nanosecond: rates stay defined)."""
@@ -259,8 +263,9 @@ class Switch:
     gone. Requests that come and go at the same load (a server's continuous batch, where
     the batch changes nearly every step) do not: they would keep a batch that should rest
     drafting every step. A step whose drafts were all
-    priced out rests the batch too (it would ask the drafter for nothing again); a draft's
-    probe (:class:`DraftGate`) is valued at nothing, so a step that only probed rests it too; a
+    priced out rests the batch too (it would ask the drafter for nothing again). A step that
+    only probed a draft (:class:`DraftGate`) is judged at the next one, once the probe's node
+    was committed or not (:meth:`probed`); beside other drafts, a probe is valued at nothing. A
     step of unknown utility (unpriced drafts) counts as paying. Rests that reached
     :data:`MAX_OFF_STEPS` grow until a probe costs at most :data:`PROBE_SHARE` of the rest
     (its :func:`overhead` over a plain step, up to :data:`LONGEST_REST` steps): at a batch
@@ -278,6 +283,8 @@ class Switch:
         #: this step drafts after a rest (its utility starts the average anew)
         self.probing = False
         self._resting = False
+        #: the :func:`overhead` of the last draft's probe (:meth:`probed`), not yet judged
+        self._probe_overhead = 0.0
 
     def drafts(self, req_ids: Sequence[str]) -> bool:
         """Whether this step (of these requests) drafts; a step that does not passes one step of rest."""
@@ -303,9 +310,15 @@ class Switch:
             self._utility = utility if last is None else UTILITY_MEMORY * last + (1 - UTILITY_MEMORY) * utility
         paid = (self._utility is None or self._utility >= REST_BELOW) and not priced_out
         self._rest.after(paid=paid)
-        if not paid and overhead is not None and self._rest.left >= MAX_OFF_STEPS:
-            share_rest = min(math.ceil(overhead / PROBE_SHARE), LONGEST_REST)
-            self._rest.left = max(self._rest.left, share_rest)
+        dearest = max(overhead or 0.0, self._probe_overhead)
+        if not paid and self._rest.left >= MAX_OFF_STEPS:
+            self._rest.left = max(self._rest.left, min(math.ceil(dearest / PROBE_SHARE), LONGEST_REST))
+        self._probe_overhead = 0.0
+
+    def probed(self, overhead: float | None) -> None:
+        """A step that drafted only a draft's probe: neither paid nor refused (the next step
+        judges it, from the learnt values); its :func:`overhead` prices the rests after it."""
+        self._probe_overhead = overhead or 0.0
 
     @property
     def off(self) -> bool:

@@ -104,6 +104,12 @@ class TreeDrafter(ABC):
         seconds of a step by rows and of a draft forward by rows (``None`` until measured)."""
 
     @property
+    def probed(self) -> bool:
+        """Whether the last :meth:`propose` drafted only a probe: a draft that did not pay, tried
+        so that its value is learnt (the switch judges the step after it)."""
+        return False
+
+    @property
     def expected_gain(self) -> float | None:
         """The tokens the last :meth:`propose`'s trees are expected to add to the step, when it
         valued them all (:meth:`plan_step`); ``None`` when it did not. The runner weighs them

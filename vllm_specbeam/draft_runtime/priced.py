@@ -51,6 +51,11 @@ class PricedDraftModel:
         return self.ledger
 
     @property
+    def probed(self) -> bool:
+        ledger, prices = self.ledger, self.prices
+        return ledger is not None and prices is not None and ledger.probed_alone(prices.batch_size)
+
+    @property
     def expected_gain(self) -> float | None:
         ledger = self.ledger
         if ledger is None or ledger.unvalued or self.prices is None:
