@@ -449,6 +449,7 @@ def test_a_step_that_only_probed_the_draft_is_judged_at_the_next() -> None:
             assert nodes in (0, 1) and (nodes == 0 or d.expected_gain == 0.0)
             (probes if nodes else refused).append(step)
         tokens.append(1000 + step)
-    assert refused == [p + 1 for p in probes][: len(refused)]  # each probe judged at the next step
+    assert len(refused) >= len(probes) - 1  # each probe judged at the next step
+    assert refused == [p + 1 for p in probes][: len(refused)]
     assert np.diff(probes).tolist() == [3, 4, 6, 10, 18, 18]  # rests 1, 2, 4, 8, 16, 16
     assert drafting.counts.steps_probed == len(probes) - 1

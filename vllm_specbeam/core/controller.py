@@ -96,8 +96,7 @@ class StepLedger:
         step = prices.step
         if step is None:
             return None
-        tokens = float(prices.batch_size)
-        return cls(step, prices.draft, tokens, prices.batch_size + other_rows, probe_due=prices.probe)
+        return cls(step, prices.draft, float(prices.batch_size), prices.batch_size + other_rows, probe_due=prices.probe)
 
     def probed_alone(self, batch_size: int) -> bool:
         """Whether the step drafts a probe and nothing valued beside it."""
@@ -217,29 +216,32 @@ class DraftGate:
         return chosen
 
 
+def _step_ratio(prices: StepPrices, rows: int, draft_seconds: float, branched: bool) -> float | None:
+    """A drafting step's seconds (``rows`` verified rows after ``draft_seconds`` of drafting) over
+    a plain step's (``None`` before the target's steps were timed)."""
+    step = prices.step_of(branched)
+    if step is None:
+        return None
+    batch = prices.batch_size
+    return max(float(step.seconds(batch + rows)) + draft_seconds, 1e-9) / max(float(step.seconds(batch)), 1e-9)
+
+
 def utility(prices: StepPrices, gain: float, rows: int, draft_seconds: float, branched: bool = True) -> float | None:
     """A drafting step's expected tokens per second over a plain step's: ``gain`` expected tokens
     from ``rows`` verified rows (of trees that branch, or chains alone), after ``draft_seconds`` of
     drafting (``None`` before the target's steps were timed). Example: 8 requests,
     ``C(R) = 40 + 0.5 R`` ms, 2 tokens from 8 rows after 3 ms: ``(10 / 51) / (8 / 44) = 1.08``;
     after 9 ms ``0.96``."""
-    step = prices.step_of(branched)
-    if step is None:
-        return None
-    batch = prices.batch_size
-    plain = batch / max(float(step.seconds(batch)), 1e-9)
-    return (batch + gain) / max(float(step.seconds(batch + rows)) + draft_seconds, 1e-9) / plain
+    ratio = _step_ratio(prices, rows, draft_seconds, branched)
+    return None if ratio is None else (prices.batch_size + gain) / prices.batch_size / ratio
 
 
 def overhead(prices: StepPrices, rows: int, draft_seconds: float, branched: bool = True) -> float | None:
     """A drafting step's seconds over a plain step's, less one: what ``rows`` verified rows and
     ``draft_seconds`` of drafting added (``None`` before the target's steps were timed). Example:
     ``C(R) = 40 + 0.5 R`` ms, 8 requests, 1 row after a 13 ms catch-up: ``57.5 / 44 - 1 = 0.31``."""
-    step = prices.step_of(branched)
-    if step is None:
-        return None
-    plain = max(float(step.seconds(prices.batch_size)), 1e-9)
-    return (float(step.seconds(prices.batch_size + rows)) + draft_seconds) / plain - 1
+    ratio = _step_ratio(prices, rows, draft_seconds, branched)
+    return None if ratio is None else ratio - 1
 
 
 def load_bucket(batch_size: int) -> int:
@@ -303,8 +305,8 @@ class Switch:
 
     def after(self, utility: float | None, priced_out: bool = False, overhead: float | None = None) -> None:
         """Record a drafting step's :func:`utility`; ``priced_out``: the controller kept none of the
-        drafts there were, or only probed them (the batch rests, whatever the average);
-        ``overhead``: the step's :func:`overhead`, which spaces the probes of a long rest."""
+        drafts there were (the batch rests, whatever the average); ``overhead``: the step's
+        :func:`overhead`, which with the last probe's (:meth:`probed`) spaces the probes of a long rest."""
         if utility is not None:
             last = self._utility
             self._utility = utility if last is None else UTILITY_MEMORY * last + (1 - UTILITY_MEMORY) * utility
