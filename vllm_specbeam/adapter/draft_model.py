@@ -631,7 +631,8 @@ class WorkerDraftRuntime(PagedDraftRuntime):
         super().defer(deferred)
 
     def sync_step(self) -> None:
-        """Feed every scheduled request's committed tokens the draft lacks (no logits).
+        """Feed every scheduled request's committed tokens the draft lacks (no logits), but for
+        those the step deferred (:meth:`defer`: it ran no draft for them).
 
         Runs after each step's sampling, drafting or not, so that a block the target
         computed holds the draft's K/V too when a later request's prefix hit reuses

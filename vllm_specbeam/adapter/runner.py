@@ -434,6 +434,12 @@ class TreeRunnerMixin:
             return [[] for _ in req_ids]
         batch = batch_requests(self.input_batch, self.requests, sampled_token_ids)
         proposal = self.drafting.propose(batch, self.vllm_config.model_config.max_model_len, self.draft_cost)
+        if self.draft_runtime is not None:
+            # those the drafter was not asked for (one token left, a prompt's chunk) wait for a
+            # step that drafts them: fed now, a batch's last step would feed every context; a beam
+            # search's scoring requests still feed their shared prefix, which its next rounds hit
+            idle = [r for r in req_ids if r not in proposal.trees and self.prompt_tree(r) is None]
+            self.draft_runtime.defer(idle)
         self._proposed.update(proposal.trees)
         self._step_drafts = DraftTokenIds(list(req_ids), proposal.drafts)
         return proposal.drafts
