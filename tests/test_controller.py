@@ -242,6 +242,37 @@ def test_requests_coming_and_going_at_one_load_do_not_wake_a_resting_batch() -> 
     assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 200)] == [0, 1, 2, 2, 3, 3, 4, 8]
 
 
+def test_each_load_keeps_its_own_verdict_across_a_detour() -> None:
+    """8 requests rest; a closed batch's tail (7 requests, another load) probes at once, and back
+    at 8 the rest goes on where it stopped: 8 requests' decisions are those of a batch that never
+    left. One request, judged paying before, still pays after its detour: its average holds."""
+
+    def decisions_at_eight(detour_at: int | None) -> list[bool]:
+        switch, decisions = Switch(), []
+        for step in range(120):
+            if step == detour_at:
+                assert switch.off and switch.drafts(["a"] * 7) and switch.probing  # never judged
+                switch.after(0.5)
+                assert not switch.drafts(["a"] * 7)
+            drafts = switch.drafts(["a"] * 8)
+            decisions.append(drafts)
+            if drafts:
+                switch.after(0.5)
+        return decisions
+
+    never_left = decisions_at_eight(None)
+    assert never_left[50] is False  # resting there
+    assert decisions_at_eight(50) == never_left
+    switch = Switch()
+    assert switch.drafts(["a"])
+    switch.after(2.0)
+    assert switch.drafts(["a"] * 8)
+    switch.after(0.5)
+    assert switch.off and switch.drafts(["a"])
+    switch.after(0.5)  # averaged with 2.0: it still pays (a fresh verdict of 0.5 would rest)
+    assert not switch.off
+
+
 def test_the_gate_probes_the_best_request_alone_on_a_back_off() -> None:
     gate, probes = DraftGate(), []
     for step in range(30):

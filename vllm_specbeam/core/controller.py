@@ -250,6 +250,15 @@ def load_bucket(batch_size: int) -> int:
     return batch_size.bit_length()
 
 
+@dataclass
+class LoadVerdict:
+    """What the :class:`Switch` judged of one load: its rest and its average utility."""
+
+    rest: BackOff
+    #: the average :func:`utility` of its drafting steps since its last rest (``None``: a probe next)
+    utility: float | None = None
+
+
 class Switch:
     """Whether a batch drafts at all this step.
 
@@ -260,11 +269,13 @@ class Switch:
     probes after 1, 2, 4, ... up to :data:`MAX_OFF_STEPS` steps, a probe's
     utility starting the average anew; a probe that pays turns it back on and
     halves the next rest, so a batch whose drafts pay now and then is not
-    switched on and off every step. A change of load probes at once: the batch's size
-    moved to another power of two (1, 2-3, 4-7, 8-15, ...), so the rows it was judged at are
-    gone. Requests that come and go at the same load (a server's continuous batch, where
-    the batch changes nearly every step) do not: they would keep a batch that should rest
-    drafting every step. A step whose drafts were all
+    switched on and off every step. Each load (:func:`load_bucket`: 1, 2-3, 4-7, 8-15, ...
+    requests) is judged apart, since drafting that pays at one request may cost eight:
+    a load never seen probes at once, and a load seen before resumes its own verdict (its
+    average, its rest and how long the next one is), so a closed batch's tail (8 requests,
+    then 7) or a server's batch moving between 3 and 4 requests does not probe at every
+    crossing. Requests that come and go at the same load (a server's continuous batch, where
+    the batch changes nearly every step) keep its verdict too. A step whose drafts were all
     priced out rests the batch too (it would ask the drafter for nothing again). A step that
     only probed a draft (:class:`DraftGate`) is judged at the next one, once the probe's node
     was committed or not (:meth:`probed`); beside other drafts, a probe is valued at nothing. A
@@ -275,13 +286,15 @@ class Switch:
 
     Example: utilities 0.5 at steps 0 and 2, a probe at 5 of 1.2, then 0.4 at 6
     (averaged with 1.2: 0.96): off at 1, 3-4; on at 5; off 7-8 (the rest halved from 4 to 2).
+    At 8 requests resting 16 steps, 3 steps at 7 requests (another load, probed at once), then
+    8 again: the 8 requests' rest goes on where it stopped.
     """
 
     def __init__(self) -> None:
-        self._rest = BackOff(most=MAX_OFF_STEPS)
-        #: the load the batch was judged at (:func:`load_bucket`)
+        #: every load's verdict (:func:`load_bucket`), and the one the batch is at
+        self._verdicts: dict[int, LoadVerdict] = {}
         self._load = 0
-        self._utility: float | None = None
+        self._verdict = self._verdict_at(0)
         #: this step drafts after a rest (its utility starts the average anew)
         self.probing = False
         self._resting = False
@@ -292,29 +305,33 @@ class Switch:
         """Whether this step (of these requests) drafts; a step that does not passes one step of rest."""
         load = load_bucket(len(req_ids))
         if load != self._load:
-            self._load, self._rest.left, self._utility = load, 0, None
-        drafts = self._rest.allows()
+            self._load, self._verdict = load, self._verdict_at(load)
+        drafts = self._verdict.rest.allows()
         self.probing, self._resting = drafts and self._resting, not drafts
         if not drafts:
-            self._utility = None  # the next drafting step is a probe: its own utility decides
+            self._verdict.utility = None  # the next drafting step is a probe: its own utility decides
         return drafts
+
+    def _verdict_at(self, load: int) -> LoadVerdict:
+        return self._verdicts.setdefault(load, LoadVerdict(BackOff(most=MAX_OFF_STEPS)))
 
     def rest(self) -> None:
         """Rest the next step whatever the utility (the runner times a plain step)."""
-        self._rest.left = max(self._rest.left, 1)
+        self._verdict.rest.left = max(self._verdict.rest.left, 1)
 
     def after(self, utility: float | None, priced_out: bool = False, overhead: float | None = None) -> None:
         """Record a drafting step's :func:`utility`; ``priced_out``: the controller kept none of the
         drafts there were (the batch rests, whatever the average); ``overhead``: the step's
         :func:`overhead`, which with the last probe's (:meth:`probed`) spaces the probes of a long rest."""
+        verdict = self._verdict
         if utility is not None:
-            last = self._utility
-            self._utility = utility if last is None else UTILITY_MEMORY * last + (1 - UTILITY_MEMORY) * utility
-        paid = (self._utility is None or self._utility >= REST_BELOW) and not priced_out
-        self._rest.after(paid=paid)
+            last = verdict.utility
+            verdict.utility = utility if last is None else UTILITY_MEMORY * last + (1 - UTILITY_MEMORY) * utility
+        paid = (verdict.utility is None or verdict.utility >= REST_BELOW) and not priced_out
+        verdict.rest.after(paid=paid)
         dearest = max(overhead or 0.0, self._probe_overhead)
-        if not paid and self._rest.left >= MAX_OFF_STEPS:
-            self._rest.left = max(self._rest.left, min(math.ceil(dearest / PROBE_SHARE), LONGEST_REST))
+        if not paid and verdict.rest.left >= MAX_OFF_STEPS:
+            verdict.rest.left = max(verdict.rest.left, min(math.ceil(dearest / PROBE_SHARE), LONGEST_REST))
         self._probe_overhead = 0.0
 
     def probed(self, overhead: float | None) -> None:
@@ -324,4 +341,4 @@ class Switch:
 
     @property
     def off(self) -> bool:
-        return self._rest.left > 0
+        return self._verdict.rest.left > 0
