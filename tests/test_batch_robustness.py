@@ -18,6 +18,8 @@ import pytest
 from conftest import greedy, make_prompts, rpc_after_finished, runner_stats, token_ids
 from specs import ADED_AUTO
 
+from vllm_specbeam.core.controller import LONGEST_REST
+
 TIGHT = {
     "kv_cache_memory_bytes": 6 * 128 * 1024,
     "max_model_len": 512,
@@ -64,9 +66,13 @@ def test_aborted_requests_free_drafter_state(tight):
     engine = tight.llm_engine
     prompts = make_prompts(6)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"abort-{i}", prompt, greedy(max_tokens=100))
-    for _ in range(12):
+        engine.add_request(f"abort-{i}", prompt, greedy(max_tokens=12 + LONGEST_REST + 24))
+    # The engine's switch remembers the last test's verdict at this load: a rest there runs on
+    # (up to LONGEST_REST steps) before a probe drafts and the drafter holds state to free.
+    for _ in range(12 + LONGEST_REST):
         engine.step()
+        if tight.collective_rpc(_live_state)[0]["drafter"] > 0:
+            break
     assert tight.collective_rpc(_live_state)[0]["drafter"] > 0
     engine.abort_request([f"abort-{i}" for i in range(0, 6, 2)])
     finished = set()
