@@ -484,3 +484,48 @@ def test_a_step_that_only_probed_the_draft_is_judged_at_the_next() -> None:
     assert refused == [p + 1 for p in probes][: len(refused)]
     assert np.diff(probes).tolist() == [3, 4, 6, 10, 18, 18]  # rests 1, 2, 4, 8, 16, 16
     assert drafting.counts.steps_probed == len(probes) - 1
+
+
+def test_tensor_parallel_ranks_rest_alike_whatever_their_own_drafting_took(monkeypatch) -> None:
+    """Each tensor-parallel rank drafts for itself, and the switch judges a step by its drafting
+    seconds: with rank 0's seconds shared, a rank whose every drafting took a second more rests
+    the same steps as rank 0; with its own seconds it rests where rank 0 drafts (and the two
+    would verify different trees)."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_specbeam.adapter import drafting as drafting_module
+    from vllm_specbeam.adapter.step_selection import BatchRequest
+    from vllm_specbeam.adapter.tree_counts import TreeCounts
+    from vllm_specbeam.core.config import SpecbeamConfig
+
+    def rank(same_on_every_rank) -> drafting_module.TreeDrafting:
+        d, _ = dsbd(None)
+        ranked = drafting_module.TreeDrafting(SpecbeamConfig("dsbd", d.options), d, TreeCounts(), same_on_every_rank)
+        assert ranked.budget is not None
+        ranked.budget.cost = ranked.budget.chain_cost = ranked.budget.plain_cost = TARGET
+        return ranked
+
+    def drafting_steps(share: bool) -> tuple[list[bool], list[bool]]:
+        """Each rank's drafting steps over 40 steps of one request (rank 1's drafting 1 s a step)."""
+        rank0_seconds: list[float] = []
+        rank0 = rank(lambda seconds: rank0_seconds.append(seconds) or seconds)
+        rank1 = rank(lambda seconds: rank0_seconds[-1] if share else seconds)
+        params, tokens = SamplingParams(temperature=0.0, max_tokens=100), [5, 6]
+        steps: tuple[list[bool], list[bool]] = ([], [])
+        for step in range(40):
+            for drafting, took, drafted in ((rank0, 0.0, steps[0]), (rank1, 1.0, steps[1])):
+                clock = iter((0.0, took))  # the drafting's start and end
+                monkeypatch.setattr(drafting_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+                drafted.append(drafting.drafts_this_step(["a"], [params]))
+                if drafted[-1]:
+                    batch = [BatchRequest("a", 0, params, len(tokens) - 2, np.asarray(tokens), True)]
+                    drafting.propose(batch, 4096, FREE)
+            tokens.append(1000 + step)
+        return steps
+
+    rank0, rank1 = drafting_steps(share=True)
+    assert rank1 == rank0 and rank0.count(True) > 20
+    rank0, rank1 = drafting_steps(share=False)  # the planted bug: each rank judges by its own seconds
+    assert rank1 != rank0 and rank1.count(True) < rank0.count(True) / 2

@@ -8,7 +8,7 @@ goes to the scheduler as draft tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,8 +49,17 @@ class TreeDrafting:
     """Asks the drafter for the next trees, cut by the step budget under ``"max_nodes": "auto"``
     and switched off for the whole batch by the goodput controller when drafting does not pay."""
 
-    def __init__(self, config: SpecbeamConfig, drafter: TreeDrafter, counts: TreeCounts) -> None:
+    def __init__(
+        self,
+        config: SpecbeamConfig,
+        drafter: TreeDrafter,
+        counts: TreeCounts,
+        same_on_every_rank: Callable[[float], float] | None = None,
+    ) -> None:
         self.config, self.drafter, self.counts = config, drafter, counts
+        #: rank 0's drafting seconds on every tensor-parallel rank (``None``: one rank): the switch
+        #: judges a step by them, and every rank must rest the same steps
+        self.same_on_every_rank = same_on_every_rank
         method = METHODS[config.method]
         #: each step's nodes for ``"max_nodes": "auto"`` requests (methods whose trees may be cut), and
         #: the step cost for drafters that cut their own trees by it (lookup branches of draft-model methods)
@@ -130,6 +139,8 @@ class TreeDrafting:
             trees = self._keep_what_pays(asked, trees, len(batch))
         proposal = _clipped(asked, trees, len(batch), max_model_len)
         if self.switch is not None:
+            if self.same_on_every_rank is not None:  # host sync (a broadcast) under tensor parallelism
+                elapsed = self.same_on_every_rank(elapsed)
             self._judge_step(prices, asked.automatic, offered, proposal.drafts, elapsed)
         if self.timer is not None:
             self.timer.log_budget(self.counts)

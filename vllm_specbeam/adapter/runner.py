@@ -138,7 +138,12 @@ class TreeRunnerMixin:
         self._step_drafts: DraftTokenIds | None = None
         #: the draft model inside the worker (draft-model methods on CPU), see :mod:`.draft_model`
         self.draft_runtime: WorkerDraftRuntime | None = None
-        self.drafting = TreeDrafting(config, self.tree_drafter, self.tree_counts)
+        self.drafting = TreeDrafting(
+            config,
+            self.tree_drafter,
+            self.tree_counts,
+            same_on_every_rank if vllm_config.parallel_config.tensor_parallel_size > 1 else None,
+        )
         self.budget, self.step_timer, self.switch = self.drafting.budget, self.drafting.timer, self.drafting.switch
         #: seconds of the in-worker draft's forwards by rows, fitted as the target's steps are
         self.draft_cost_model = StepCostModel()

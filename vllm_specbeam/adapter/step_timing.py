@@ -53,8 +53,9 @@ def decode_step(scheduler_output: SchedulerOutput, now: float) -> TimedStep | No
 
 
 def same_on_every_rank(lines: LinesT) -> LinesT:
-    """Rank 0's cost lines (the target's or the draft's) on every tensor-parallel rank, in one
-    broadcast: each rank drafts and prunes for itself, and they must keep the same nodes.
+    """Rank 0's cost lines (the target's or the draft's) or drafting seconds on every
+    tensor-parallel rank, in one broadcast: each rank drafts, prunes and rests for itself, and
+    they must keep the same nodes.
     (vLLM 0.32.0 vllm/distributed/parallel_state.py: ``get_tp_group``,
     ``GroupCoordinator.broadcast_object``.)"""
     from vllm.distributed.parallel_state import get_tp_group
