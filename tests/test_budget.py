@@ -324,6 +324,20 @@ def test_dear_rows_keep_no_node_and_free_rows_bring_the_drafts_back():
     assert run_steps(budget, accept=True, steps=4) == [2, 6, 8, 8]
 
 
+def test_before_a_tree_step_is_timed_the_plain_line_prices_the_nodes():
+    """A fresh engine has timed plain steps only (a warm-up): a burst of 200 requests, each
+    drafting a chain of 4 at the prior's rates, keeps no node where a row costs 1.8 ms of a
+    0.38 s step (each would have to be accepted 95 % of the time), while one request keeps
+    its chain's first nodes. Before the plain line stood in, no line meant every node kept."""
+    budget = StepBudget()
+    budget.plain_cost = StepCost(0.020, 0.0018)
+    ids = [f"r{i}" for i in range(200)]
+    burst = budget.prune(ids, [DraftTree.chain([1, 2, 3, 4])] * 200, [100] * 200, batch_size=200)
+    assert sum(tree.num_nodes for tree in burst) == 0
+    alone = budget.prune(["one"], [DraftTree.chain([1, 2, 3, 4])], [100], batch_size=1)[0]
+    assert alone.num_nodes > 0
+
+
 def test_kinds_are_calibrated_apart():
     """A drafter's kinds tell nodes at the same depth and rank apart: one kind always
     accepted, the other never, alternating step by step. Pooled (no kinds) each is worth

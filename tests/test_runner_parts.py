@@ -12,6 +12,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
+from vllm_specbeam.adapter import step_timing
 from vllm_specbeam.adapter.engine_config import CACHE_SALT_KEY
 from vllm_specbeam.adapter.step_selection import (
     BatchRequest,
@@ -23,7 +24,7 @@ from vllm_specbeam.adapter.step_selection import (
     requests_to_draft,
     useful_depth,
 )
-from vllm_specbeam.adapter.step_timing import decode_step
+from vllm_specbeam.adapter.step_timing import StepTimer, decode_step
 from vllm_specbeam.adapter.step_trees import (
     BatchRow,
     BatchRows,
@@ -44,7 +45,7 @@ from vllm_specbeam.adapter.verification import (
     count_tree,
     first_logit_rows,
 )
-from vllm_specbeam.core.budget import FILL_KIND
+from vllm_specbeam.core.budget import FILL_KIND, StepBudget
 from vllm_specbeam.core.config import parse
 from vllm_specbeam.core.tree import DraftTree
 
@@ -270,19 +271,36 @@ def test_count_tree_splits_nodes_by_source_and_skips_padding() -> None:
 
 
 # ------------------------------------------------------------ timed steps
-def test_decode_step_times_decoding_steps_only() -> None:
-    def output(rows: int, drafts: dict, new: list | None = None) -> SimpleNamespace:
-        scheduled = dict.fromkeys(["a", "b"], 1)
-        return SimpleNamespace(
-            total_num_scheduled_tokens=rows,
-            scheduled_spec_decode_tokens=drafts,
-            num_scheduled_tokens=scheduled,
-            scheduled_new_reqs=new or [],
-        )
+def output(rows: int, drafts: dict, new: list | None = None) -> SimpleNamespace:
+    """A scheduler output of requests "a" and "b" carrying on, ``rows`` rows in all."""
+    scheduled = dict.fromkeys(["a", "b"], 1)
+    return SimpleNamespace(
+        total_num_scheduled_tokens=rows,
+        scheduled_spec_decode_tokens=drafts,
+        num_scheduled_tokens=scheduled,
+        scheduled_new_reqs=new or [],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["a", "b"]),
+    )
 
+
+def test_decode_step_times_decoding_steps_only() -> None:
     tree_step = decode_step(output(5, {"a": [1, 2, 3]}), now=1.0)
     assert tree_step is not None and (tree_step.rows, tree_step.start, tree_step.plain) == (5, 1.0, False)
     plain = decode_step(output(2, {}), now=2.0)
     assert plain is not None and plain.plain
     assert decode_step(output(9, {}), now=3.0) is None  # prompt rows in it
     assert decode_step(output(2, {}, new=[object()]), now=3.0) is None  # a new request
+
+
+def test_a_kind_of_step_timed_for_the_first_time_is_fitted_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three plain steps, then the first tree step: its line is fitted when that step ends, not
+    at the next of the every-16-steps refits (until then the budget priced nodes by the plain
+    line, or, before the fix, verified every node a burst drafted)."""
+    monkeypatch.setattr(step_timing, "same_on_every_rank", lambda lines: lines)  # one rank, no TP group
+    budget = StepBudget()
+    timer = StepTimer(budget)
+    refits = [timer.time_step(output(2, {})) for _ in range(4)]  # the first only starts a timing
+    assert refits == [False, True, False, False] and budget.plain_cost is not None and budget.chain_cost is None
+    timer.time_step(output(5, {"a": [1, 2, 3]}))  # a chain step starts
+    assert timer.time_step(output(2, {})) and budget.chain_cost is not None
+    assert not timer.time_step(output(2, {}))  # a plain step again: its kind was timed before

@@ -94,16 +94,19 @@ class StepTimer:
         Only steps of decoding requests count, and only when requests carried on into the next
         step (else the engine may have sat idle in between). Plain steps (no node) and tree steps
         are fitted apart. The lines the budget decides with are refitted every
-        ``BUDGET_REFIT_STEPS`` timed steps, the same steps on every rank.
+        ``BUDGET_REFIT_STEPS`` timed steps, and at once when a kind of step is timed for the first
+        time (until then another kind's line stands for it: :func:`~.budget.step_line`), the same
+        steps on every rank.
         """
         now, timed, budget = time.perf_counter(), self.timed, self.budget
         refit = False
         if timed is not None and scheduler_output.scheduled_cached_reqs.req_ids:
             model = budget.plain_model if timed.plain else budget.cost_model if timed.branched else budget.chain_model
+            first_of_its_kind = not model.observed
             model.observe(timed.rows, now - timed.start - timed.draft_seconds)
             self.steps_since_plain = 0 if timed.plain else self.steps_since_plain + 1
             self.timed_steps += 1
-            refit = self.timed_steps % BUDGET_REFIT_STEPS == 1
+            refit = first_of_its_kind or self.timed_steps % BUDGET_REFIT_STEPS == 1
             if refit:
                 fitted = (budget.cost_model.fitted(), budget.chain_model.fitted(), budget.plain_model.fitted())
                 budget.cost, budget.chain_cost, budget.plain_cost = same_on_every_rank(fitted)

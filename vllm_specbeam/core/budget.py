@@ -171,12 +171,16 @@ class BatchCost:
         return seconds if seconds.ndim else float(seconds)
 
 
-def step_line(branched: bool, tree: StepCost | None, chain: StepCost | None) -> StepCost | None:
+def step_line(
+    branched: bool, tree: StepCost | None, chain: StepCost | None, plain: StepCost | None = None
+) -> StepCost | None:
     """The line of a step whose trees branch (``tree``) or are all chains (``chain``): on CPU a
     step with branches also recomputes the rows off each first branch, a cost per step that
-    chains never pay (:attr:`DraftTree.first_branch`). Until one is timed, the other stands for it."""
+    chains never pay (:attr:`DraftTree.first_branch`). Until one is timed, the other stands for it;
+    until either is, the plain steps' line (``plain``): nodes then cost their rows, not nothing,
+    so a fresh engine's first burst (200 requests, 800 nodes a step) does not verify every node drafted."""
     first, other = (tree, chain) if branched else (chain, tree)
-    return first if first is not None else other
+    return next((line for line in (first, other, plain) if line is not None), None)
 
 
 class StepCostModel:
@@ -399,7 +403,8 @@ class StepBudget:
     def batch_cost(self, batch_size: int, branched: bool = True) -> BatchCost | None:
         """A step of ``batch_size`` requests by its rows, plain or verifying nodes (trees that
         branch, or chains alone: :func:`step_line`)."""
-        return BatchCost.of(step_line(branched, self.cost, self.chain_cost), batch_size, self.plain_cost)
+        line = step_line(branched, self.cost, self.chain_cost, self.plain_cost)
+        return BatchCost.of(line, batch_size, self.plain_cost)
 
     def wake(self) -> None:
         """Every request drafts at its next step, none sitting out (the batch probes after a rest)."""
