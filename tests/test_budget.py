@@ -328,7 +328,7 @@ def test_before_a_tree_step_is_timed_the_plain_line_prices_the_nodes():
     """A fresh engine has timed plain steps only (a warm-up): a burst of 200 requests, each
     drafting a chain of 4 at the prior's rates, keeps no node where a row costs 1.8 ms of a
     0.38 s step (each would have to be accepted 95 % of the time), while one request keeps
-    its chain's first nodes. Before the plain line stood in, no line meant every node kept."""
+    its chain's first nodes. Without a stand-in for the tree line, every node would be kept."""
     budget = StepBudget()
     budget.plain_cost = StepCost(0.020, 0.0018)
     ids = [f"r{i}" for i in range(200)]

@@ -128,7 +128,9 @@ def test_a_batch_first_node_pays_what_a_tree_step_costs_over_a_plain_one() -> No
     assert step.seconds(8) == pytest.approx(0.025) and step.seconds(9) == pytest.approx(0.029)
     assert step.seconds(np.array([8, 10])) == pytest.approx([0.025, 0.030])
     assert BatchCost.of(line, 8, None).seconds(8) == pytest.approx(0.028)  # no plain step timed yet
-    assert BatchCost.of(None, 8, line) is None
+    no_tree_step = BatchCost.of(None, 8, line)  # the plain line stands in: nodes cost its rows
+    assert no_tree_step is not None and no_tree_step.seconds(np.array([8, 9])) == pytest.approx([0.028, 0.029])
+    assert BatchCost.of(None, 8, None) is None  # nothing timed
     tree, values = DraftTree.chain(list(range(6))), [[0.3] * 6]
     assert choose_nodes([tree], values, 8, 8, BatchCost.of(line, 8, None))[0].all()  # 0.3 tokens a ms
     assert not choose_nodes([tree], values, 8, 8, step)[0].any()  # 8 / 25 ms beats (8 + 0.3 n) / (28 + n) ms

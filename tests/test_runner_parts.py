@@ -293,9 +293,8 @@ def test_decode_step_times_decoding_steps_only() -> None:
 
 
 def test_a_kind_of_step_timed_for_the_first_time_is_fitted_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three plain steps, then the first tree step: its line is fitted when that step ends, not
-    at the next of the every-16-steps refits (until then the budget priced nodes by the plain
-    line, or, before the fix, verified every node a burst drafted)."""
+    """Three plain steps, then the first chain step: its line is fitted when that step ends, not
+    at the next of the every-16-steps refits (until then the plain line prices its nodes)."""
     monkeypatch.setattr(step_timing, "same_on_every_rank", lambda lines: lines)  # one rank, no TP group
     budget = StepBudget()
     timer = StepTimer(budget)

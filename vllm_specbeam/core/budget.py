@@ -158,8 +158,10 @@ class BatchCost:
 
     @classmethod
     def of(cls, line: StepCost | None, batch_size: int, plain_line: StepCost | None) -> BatchCost | None:
-        """The batch's costs (``None`` before a tree step was timed); before a plain step was
-        timed, the tree line's seconds at one row a request stand for it."""
+        """The batch's costs (``None`` before any step was timed). Each line stands for the other
+        until that one is timed: before a plain step, the tree line's seconds at one row a
+        request; before a tree step, the plain line, so nodes cost their rows, not nothing."""
+        line = line if line is not None else plain_line
         if line is None:
             return None
         plain = line if plain_line is None else plain_line
@@ -171,16 +173,13 @@ class BatchCost:
         return seconds if seconds.ndim else float(seconds)
 
 
-def step_line(
-    branched: bool, tree: StepCost | None, chain: StepCost | None, plain: StepCost | None = None
-) -> StepCost | None:
+def step_line(branched: bool, tree: StepCost | None, chain: StepCost | None) -> StepCost | None:
     """The line of a step whose trees branch (``tree``) or are all chains (``chain``): on CPU a
     step with branches also recomputes the rows off each first branch, a cost per step that
-    chains never pay (:attr:`DraftTree.first_branch`). Until one is timed, the other stands for it;
-    until either is, the plain steps' line (``plain``): nodes then cost their rows, not nothing,
-    so a fresh engine's first burst (200 requests, 800 nodes a step) does not verify every node drafted."""
+    chains never pay (:attr:`DraftTree.first_branch`). Until one is timed, the other stands for it
+    (until either is, :meth:`BatchCost.of` prices nodes by the plain steps' line)."""
     first, other = (tree, chain) if branched else (chain, tree)
-    return next((line for line in (first, other, plain) if line is not None), None)
+    return first if first is not None else other
 
 
 class StepCostModel:
@@ -403,8 +402,7 @@ class StepBudget:
     def batch_cost(self, batch_size: int, branched: bool = True) -> BatchCost | None:
         """A step of ``batch_size`` requests by its rows, plain or verifying nodes (trees that
         branch, or chains alone: :func:`step_line`)."""
-        line = step_line(branched, self.cost, self.chain_cost, self.plain_cost)
-        return BatchCost.of(line, batch_size, self.plain_cost)
+        return BatchCost.of(step_line(branched, self.cost, self.chain_cost), batch_size, self.plain_cost)
 
     def wake(self) -> None:
         """Every request drafts at its next step, none sitting out (the batch probes after a rest)."""

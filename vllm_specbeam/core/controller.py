@@ -68,7 +68,7 @@ class StepPrices:
 
     def step_of(self, branched: bool) -> BatchCost | None:
         """This batch's step by its rows, plain or verifying trees that branch, or chains alone."""
-        return BatchCost.of(step_line(branched, self.target, self.chain, self.plain), self.batch_size, self.plain)
+        return BatchCost.of(step_line(branched, self.target, self.chain), self.batch_size, self.plain)
 
 
 @dataclass
