@@ -303,3 +303,15 @@ def test_a_kind_of_step_timed_for_the_first_time_is_fitted_at_once(monkeypatch: 
     timer.time_step(output(5, {"a": [1, 2, 3]}))  # a chain step starts
     assert timer.time_step(output(2, {})) and budget.chain_cost is not None
     assert not timer.time_step(output(2, {}))  # a plain step again: its kind was timed before
+
+
+def test_tokens_left_counts_a_requests_own_limit_and_not_the_servers_room() -> None:
+    """The server sets ``max_tokens`` to the room left below ``max_model_len`` when a request sets
+    none: that bound tells nothing of when the request ends."""
+    from vllm_specbeam.adapter.step_selection import tokens_left
+
+    own = request("a", 0, SamplingParams(max_tokens=48), outputs=8)  # 18 tokens committed
+    assert tokens_left(own, 4096) == 40
+    room = request("b", 0, SamplingParams(max_tokens=4096 - 10), outputs=8)
+    assert tokens_left(room, 4096) is None
+    assert tokens_left(request("c", 0, None), 4096) is None

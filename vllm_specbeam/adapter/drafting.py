@@ -22,6 +22,7 @@ from vllm_specbeam.adapter.step_selection import (
     clip_to_room,
     request_args,
     requests_to_draft,
+    tokens_left,
 )
 from vllm_specbeam.adapter.step_timing import StepTimer
 from vllm_specbeam.adapter.tree_counts import TreeCounts
@@ -29,6 +30,7 @@ from vllm_specbeam.core.budget import StepBudget, StepCost
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig
 from vllm_specbeam.core.controller import StepPrices, Switch, overhead, utility
 from vllm_specbeam.core.drafter import TreeDrafter
+from vllm_specbeam.core.drain import Arrivals, token_worth
 from vllm_specbeam.core.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -70,6 +72,8 @@ class TreeDrafting:
         self.switch = Switch() if self.budget is not None and drafter.keeps_target_output(config.options) else None
         #: this step follows the batch's rest: drafts that do not pay are probed
         self.probing = False
+        #: whether requests still join the batch (once they stop, tokens are worth what they save)
+        self.arrivals = Arrivals()
 
     def observe_committed(
         self, req_ids: Sequence[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray
@@ -90,6 +94,8 @@ class TreeDrafting:
         the draft model feeds nothing (it catches up at its next sync)."""
         counts, switch = self.counts, self.switch
         counts.steps += 1
+        self.arrivals.observe(req_ids)
+        counts.steps_draining += self.arrivals.draining
         self.probing = False
         if switch is None or not self._all_keep_target_output(params):
             return True
@@ -136,7 +142,7 @@ class TreeDrafting:
         self.counts.budget_idle += asked.sitting_out
         offered = asked.sitting_out > 0 or any(tree.num_nodes for tree in trees)
         if any(asked.automatic):
-            trees = self._keep_what_pays(asked, trees, len(batch))
+            trees = self._keep_what_pays(asked, trees, len(batch), self._worth(batch, max_model_len))
         proposal = _clipped(asked, trees, len(batch), max_model_len)
         if self.switch is not None:
             if self.same_on_every_rank is not None:  # host sync (a broadcast) under tensor parallelism
@@ -146,16 +152,30 @@ class TreeDrafting:
             self.timer.log_budget(self.counts)
         return proposal
 
-    def _keep_what_pays(self, asked: DraftAsk, trees: list[DraftTree], batch_size: int) -> list[DraftTree]:
-        """``trees`` with the ``"max_nodes": "auto"`` requests' ones cut by the step budget."""
+    def _worth(self, batch: Sequence[BatchRequest], max_model_len: int) -> dict[str, float]:
+        """Each request's committed token against a step's average: 1 while requests join the
+        batch, what it saves of the batch's remaining steps once it drains (:func:`token_worth`)."""
+        assert self.budget is not None
+        if not self.arrivals.draining:
+            return {}
+        worth = token_worth([tokens_left(r, max_model_len) for r in batch], self.budget.plain_cost)
+        return {r.req_id: w for r, w in zip(batch, worth.tolist())}
+
+    def _keep_what_pays(
+        self, asked: DraftAsk, trees: list[DraftTree], batch_size: int, worth: dict[str, float]
+    ) -> list[DraftTree]:
+        """``trees`` with the ``"max_nodes": "auto"`` requests' ones cut by the step budget, each
+        request's nodes valued by its ``worth`` (1 if absent)."""
         assert self.budget is not None
         automatic = automatic_trees(trees, asked.automatic)
+        req_ids = [asked.requests[k].req_id for k in automatic.chosen]
         kept = self.budget.prune(
-            [asked.requests[k].req_id for k in automatic.chosen],
+            req_ids,
             [trees[k] for k in automatic.chosen],
             [asked.requests[k].token_ids.size for k in automatic.chosen],
             batch_size=batch_size,
             other_rows=automatic.fixed_rows,
+            worth=[worth.get(req_id, 1.0) for req_id in req_ids],
         )
         trees = list(trees)
         for k, tree in zip(automatic.chosen, kept):

@@ -53,6 +53,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Of those, steps the whole batch rested: vLLM's plain decode step, nothing drafted or verified.",
     ),
     "steps_probed": ("vllm:specbeam_steps_probed", "Steps that drafted again after a rest (the controller's probes)."),
+    "steps_draining": (
+        "vllm:specbeam_steps_draining",
+        "Steps of a batch no request had joined for a while: nodes valued by what they save of its last steps.",
+    ),
     "nodes": (
         "vllm:specbeam_nodes",
         "Draft-tree nodes verified; over vllm:specbeam_steps_total, the nodes chosen per step.",

@@ -114,6 +114,17 @@ def useful_depth(max_tokens: int | None, num_output_tokens: int) -> int:
     return (max_tokens or 1 << 62) - num_output_tokens - 1
 
 
+def tokens_left(request: BatchRequest, max_model_len: int) -> int | None:
+    """The tokens ``request`` may still generate by its own ``max_tokens``; ``None`` when only the
+    model's length bounds it (vLLM's server sets ``max_tokens`` to the room left when a request
+    sets none)."""
+    params = request.params
+    if params is None or params.max_tokens is None:
+        return None
+    left = params.max_tokens - request.num_output_tokens
+    return left if left < max_model_len - request.token_ids.size else None
+
+
 def requests_to_draft(batch: Sequence[BatchRequest], config: SpecbeamConfig, draft_cap: DraftCap | None) -> DraftAsk:
     """The requests whose drafter is asked this step, with their options for it: those that
     decode with trees and have tokens left to draft, less those the budget sits out."""

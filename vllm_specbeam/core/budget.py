@@ -394,7 +394,8 @@ class StepBudget:
         self.plain_cost: StepCost | None = None
         self.engine = AcceptanceCounts()
         self.requests: dict[str, RequestBudget] = {}
-        #: the expected accepted tokens of the nodes the last :meth:`prune` kept (0 when unpriced)
+        #: the expected accepted tokens of the nodes the last :meth:`prune` kept, each by its request's
+        #: worth (0 when unpriced)
         self.kept_value = 0.0
         #: whether the nodes the last :meth:`prune` kept branch (priced by the trees' line)
         self.kept_branches = False
@@ -457,10 +458,12 @@ class StepBudget:
         num_tokens: Sequence[int],
         batch_size: int,
         other_rows: int = 0,
+        worth: Sequence[float] | None = None,
     ) -> list[DraftTree]:
         """Keep the nodes of ``trees`` (one per request in ``req_ids``, of length
         ``num_tokens``) that pay for themselves in a step of ``batch_size``
-        requests with ``other_rows`` draft rows the budget does not choose."""
+        requests with ``other_rows`` draft rows the budget does not choose; ``worth``: each
+        request's committed token against the step's average (``core/drain.py``; all 1 if not given)."""
         shapes = [self.drafted(req_id, tree, length) for req_id, tree, length in zip(req_ids, trees, num_tokens)]
         self.kept_value = 0.0
         tree_cost, chain_cost = self.batch_cost(batch_size), self.batch_cost(batch_size, branched=False)
@@ -470,6 +473,8 @@ class StepBudget:
         else:
             engine = self.engine_rates()
             values = [path_values(shape, self.rates(req_id, engine)) for req_id, shape in zip(req_ids, shapes)]
+            if worth is not None:
+                values = [[value * w for value in tree_values] for tree_values, w in zip(values, worth)]
             masks, self.kept_branches = choose_trees_or_chains(
                 trees, values, batch_size, other_rows, tree_cost, chain_cost
             )
