@@ -94,8 +94,9 @@ class TreeDrafting:
         the draft model feeds nothing (it catches up at its next sync)."""
         counts, switch = self.counts, self.switch
         counts.steps += 1
-        self.arrivals.observe(req_ids)
-        counts.steps_draining += self.arrivals.draining
+        if self.budget is not None:  # a draining batch's tokens are valued by what they save
+            self.arrivals.observe(req_ids)
+            counts.steps_draining += self.arrivals.draining
         self.probing = False
         if switch is None or not self._all_keep_target_output(params):
             return True

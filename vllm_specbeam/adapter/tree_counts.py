@@ -70,8 +70,8 @@ class TreeCounts:
     steps: int = 0
     steps_off: int = 0
     steps_probed: int = 0
-    #: decode steps of a draining batch (no request joined for a while): tokens valued by what
-    #: they save of its remaining steps (``core/drain.py``)
+    #: decode steps of a draining batch (no request joined for a while), where the step budget values
+    #: each request's tokens by what they save of the batch's last steps (``core/drain.py``)
     steps_draining: int = 0
     #: decode steps verifying a tree that branches (its rows off the first branch need the tree
     #: mask; the rest verified chains alone)
