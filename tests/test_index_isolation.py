@@ -98,5 +98,6 @@ def test_a_mixed_load_of_salts_stays_within_index_tokens(engines) -> None:
     assert 1 < stats["index_partitions"] == len(stats["index_largest_partition_tokens"]) <= 4, stats
     held = sum(stats["index_largest_partition_tokens"])
     assert held <= 1000 and stats["index_evicted_sequences"] > 0, stats
-    assert 8 * held < stats[STATE_BYTES] <= 8 * (1000 + len(prompts))  # a token and a separator each
+    # 8 bytes a token and a separator, 12 an occurrence (a third more while evicted ones wait)
+    assert 20 * held < stats[STATE_BYTES] <= 8 * (1000 + len(prompts)) + 16 * 1000
     engines.stop(spec)

@@ -15,7 +15,7 @@ from specs import LOOKUP, LOOKUP_GLOBAL
 
 from vllm_specbeam.core.config import TREE_OPTIONS, parse
 from vllm_specbeam.core.drafter import DraftRequest
-from vllm_specbeam.core.lookup import match_ends, match_kind
+from vllm_specbeam.core.lookup import continuations, match_ends, match_kind, match_levels
 from vllm_specbeam.core.tree import ROOT
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 from vllm_specbeam.methods.lookup_tree.index import REPORTED_PARTITIONS, SEPARATOR, IndexStats, SuffixIndex
@@ -30,7 +30,7 @@ def test_sequences_sit_end_to_end_with_separators() -> None:
     assert unsalted.corpus.tolist() == [5, 6, 7, SEPARATOR, 8, 6, 9, SEPARATOR]
     found = match_ends(unsalted.corpus, np.asarray([1, 6]), 1, 3)
     assert found.ends.tolist() == [5, 1] and found.length == 1
-    assert [unsalted.continuation(end, 4).tolist() for end in found.ends] == [[9], [7]]
+    assert [path.tolist() for path in continuations(unsalted.corpus, found.ends, 4)] == [[9], [7]]
 
 
 def brute_force(corpus: list[int], query: list[int], low: int, high: int) -> tuple[list[int], int]:
@@ -55,8 +55,41 @@ def test_matching_equals_brute_force(seed: int) -> None:
     found = match_ends(partition.corpus, query, low, high)
     ends, length = brute_force(partition.corpus.tolist(), query.tolist(), low, high)
     assert found.ends.tolist() == ends and found.length == length
-    for end in found.ends:  # a continuation never crosses into the next request
-        assert SEPARATOR not in partition.continuation(int(end), 50).tolist()
+    for path in continuations(partition.corpus, found.ends, 50):  # never into the next request
+        assert SEPARATOR not in path.tolist()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_occurrence_lists_equal_a_scan_as_sequences_come_and_go(seed: int) -> None:
+    """Through adds and evictions under three salts: every token's occurrences are where a scan
+    of the corpus finds it, and matching from them gives the scan's levels."""
+    rng = np.random.default_rng(seed)
+    index = SuffixIndex(120)
+    for _ in range(60):
+        index.add(["a", "b", None][rng.integers(0, 3)], rng.integers(0, 6, rng.integers(1, 25)))
+        for salt in ("a", "b", None):
+            if (partition := index.partition(salt)) is None:
+                continue
+            corpus = partition.corpus
+            for token in range(6):
+                assert partition.occurrences(token).tolist() == np.flatnonzero(corpus == token).tolist()
+            query = rng.integers(0, 6, rng.integers(1, 8))
+            expected = [(m.length, m.ends.tolist()) for m in match_levels(corpus, query, 1, 5)]
+            assert [(m.length, m.ends.tolist()) for m in partition.source(query, 1, 5).levels] == expected
+
+
+def test_memory_stays_bounded_over_a_long_run() -> None:
+    """5,000 sequences through a 2,000-token index: what it holds, occurrence lists included, stays
+    within 8 bytes a token and separator and 12 an occurrence, a quarter of the oldest run's
+    occurrences being evicted ones not yet dropped (a third more than its live ones); and the
+    runs stay few (each under half the one before)."""
+    rng = np.random.default_rng(0)
+    index = SuffixIndex(2000)
+    for _ in range(5000):
+        index.add(None, rng.integers(0, 100, rng.integers(1, 60)))
+        partition = index.partition(None)
+        assert partition.nbytes <= 8 * (2000 + partition.num_sequences) + 12 * 2000 * 4 // 3 + 12 * 60
+        assert len(partition._runs) <= 12
 
 
 def test_oldest_sequences_are_evicted_past_the_cap() -> None:
@@ -84,7 +117,7 @@ def test_each_salt_reads_its_own_partition() -> None:
     assert index.partition("b").corpus.tolist() == [6, 7, SEPARATOR]
     assert index.partition(None).corpus.tolist() == [4, 5, SEPARATOR]
     assert index.partition("c") is None
-    assert index.nbytes == 8 * (8 + 4)  # a token and a separator each, all partitions
+    assert index.nbytes == 8 * (8 + 4) + 12 * 8  # a token and a separator each, and an occurrence a token
     assert index.stats() == IndexStats(3, [4, 2, 2], 0)
 
 
@@ -252,7 +285,8 @@ def test_the_global_scope_drafts_as_deep_as_the_match_is_long() -> None:
 
 def test_a_finished_request_is_indexed_whole_and_its_repeat_drafts_as_deep_as_asked() -> None:
     """The engine's global scope (``LOOKUP_GLOBAL``) indexes a finished request's prompt and output:
-    one int64 a token and one for the separator (the runner reports ``state_bytes``). The same
+    one int64 a token and one for the separator, and 12 bytes a token's occurrence (the runner
+    reports ``state_bytes``). The same
     prompt again drafts that output from the index, one chain exactly as deep as asked: the
     runner asks no deeper than the tokens the request has left (the engine test below)."""
     options = parse(LOOKUP_GLOBAL).options
@@ -260,7 +294,7 @@ def test_a_finished_request_is_indexed_whole_and_its_repeat_drafts_as_deep_as_as
     drafter = LookupTreeDrafter(options)
     assert drafter.state_bytes == 0
     drafter.finished([DraftRequest("a", np.concatenate([prompt, output]), options)])
-    assert drafter.state_bytes == 8 * (prompt.size + output.size + 1)
+    assert drafter.state_bytes == 8 * (prompt.size + output.size + 1) + 12 * (prompt.size + output.size)
     for depth in range(1, options["num_speculative_tokens"] + 1):
         tree = drafter.propose([DraftRequest("b", prompt, {**options, "num_speculative_tokens": depth})])[0]
         assert tree.tokens.tolist() == output[:depth].tolist() and tree.is_chain and tree.from_index.all()

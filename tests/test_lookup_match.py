@@ -8,7 +8,7 @@ import pytest
 
 from vllm_specbeam.core.lookup import Source, best_match, chain_score, match_kind, match_levels
 from vllm_specbeam.core.tree import ROOT
-from vllm_specbeam.methods.lookup_tree.index import SuffixIndex
+from vllm_specbeam.methods.lookup_tree.index import SEPARATOR, SuffixIndex
 
 
 def occurrences(haystack: list[int], query: list[int], n: int) -> list[int]:
@@ -28,6 +28,10 @@ def test_levels_are_every_distinct_set_of_occurrences(seed: int) -> None:
     expected = [(n, sets[n]) for n in sorted(sets, reverse=True) if sets.get(n + 1) != sets[n]]
     got = [(level.length, level.ends.tolist()) for level in match_levels(haystack, query, low, high)]
     assert got == expected
+
+
+def until_separator(tokens: list[int]) -> list[int]:
+    return tokens[: tokens.index(SEPARATOR)] if SEPARATOR in tokens else tokens
 
 
 def greedy_score(paths: list[list[int]]) -> float:
@@ -56,7 +60,7 @@ def test_the_best_scoring_length_drafts(seed: int) -> None:
     partition = index.partition(None)
     if partition is not None:
         corpus = partition.corpus
-        sources.append(Source(match_levels(corpus, tokens, 1, 6), partition.continuation))
+        sources.append(partition.source(tokens, 1, 6))
     factor = float(rng.choice([0.0, 1.0, 2.0]))
     max_matches = int(rng.integers(1, 6))
 
@@ -70,7 +74,7 @@ def test_the_best_scoring_length_drafts(seed: int) -> None:
         paths = paths[:max_matches]
         if partition is not None:
             ends = occurrences(corpus.tolist(), tokens.tolist(), n)[: max_matches - len(paths)]
-            paths += [partition.continuation(e, depth_of(n)).tolist() for e in ends]
+            paths += [until_separator(corpus.tolist()[e + 1 : e + 1 + depth_of(n)]) for e in ends]
         if paths and (best is None or greedy_score(paths) > best[0]):
             best = (greedy_score(paths), n)
     choice = best_match(sources, depth_of, max_matches)
@@ -91,7 +95,7 @@ def test_a_frequent_shorter_match_beats_a_longer_one_that_ends() -> None:
     index.add(None, np.asarray([1, 2, 3, 4, 5, 6, 7]))
     partition = index.partition(None)
     tokens = np.asarray([8, 1, 2, 3, 4, 5, 6])
-    sources = [Source.own(tokens, 1, 24), Source(match_levels(partition.corpus, tokens, 1, 24), partition.continuation)]
+    sources = [Source.own(tokens, 1, 24), partition.source(tokens, 1, 24)]
     choice = best_match(sources, lambda n: min(24, 2 * n), 64)
     assert choice.length == 2 and choice.score == pytest.approx(1.5)
     tree = choice.tree(8)

@@ -46,10 +46,13 @@ from benchmarks.serve_client import prometheus
 from vllm_specbeam.core.config import METHODS, parse
 
 STARTUP_SECONDS = 300
-#: The tree servers' KV cache: 2k tokens, far fewer than the load test's 200
-#: requests hold at once, so vLLM preempts some of them. The tiny model's K/V
-#: take 1 KiB a token, and as much again for a draft in the same cache.
+#: The tree servers' KV cache: 2k tokens in blocks of 32, far fewer than the load
+#: test's 200 requests hold at once, so vLLM preempts some of them whatever their
+#: drafts (in the CPU build's blocks of 128 each short request fits one block, and
+#: only trees crossing a block's end preempted). The tiny model's K/V take 1 KiB a
+#: token, and as much again for a draft in the same cache.
 SMALL_KV_TOKENS = 2048
+SMALL_KV_BLOCK = 32
 #: per-request options some of the load test's requests send (valid for every method above)
 XARGS = {"num_speculative_tokens": 2, "max_nodes": 6}
 LOAD_REQUESTS = 200
@@ -86,7 +89,8 @@ def spec(request, near_draft) -> dict:
 
 @pytest.fixture(scope="module")
 def server(spec, tiny_model, tmp_path_factory):
-    small_kv = ("--kv-cache-memory-bytes", str(SMALL_KV_TOKENS * 1024 * (2 if "model" in spec else 1)))
+    small_kv_bytes = SMALL_KV_TOKENS * 1024 * (2 if "model" in spec else 1)
+    small_kv = ("--kv-cache-memory-bytes", str(small_kv_bytes), "--block-size", str(SMALL_KV_BLOCK))
     # eager: test_server_beam_search.py's dsbd server runs vLLM's compiled graph
     with running_server(tiny_model, spec, tmp_path_factory.mktemp("server") / "server.log", *small_kv) as url:
         yield url

@@ -25,9 +25,13 @@ class Matches:
 NO_MATCH = Matches(np.zeros(0, np.int64), 0)
 
 
-def match_levels(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int) -> list[Matches]:
+def match_levels(
+    haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int, last: np.ndarray | None = None
+) -> list[Matches]:
     """Occurrences in ``haystack`` of the suffix n-grams of ``query``, ``n`` in ``[min_n, max_n]``,
     longest first: one entry per distinct set of occurrences, at the longest ``n`` that has it.
+    ``last``: where the query's last token occurs in ``haystack``, ascending, when an index
+    knows (None: a scan finds them).
 
     Vectorised: candidates are the positions of the query's last token, extended backwards
     together; each time some drop out, the set before is a level of its own. A request's own
@@ -38,7 +42,7 @@ def match_levels(haystack: np.ndarray, query: np.ndarray, min_n: int, max_n: int
     length = query.size
     if length < min_n or haystack.size == 0:
         return []
-    alive = np.flatnonzero(haystack == query[-1])  # [candidates]: they match 1 token
+    alive = np.flatnonzero(haystack == query[-1]) if last is None else last  # [candidates]: they match 1 token
     if alive.size == 0:
         return []
     levels: list[Matches] = []
@@ -87,19 +91,33 @@ def chain_score(paths: list[np.ndarray]) -> float:
     return score
 
 
+def continuations(text: np.ndarray, ends: np.ndarray, depth: int) -> list[np.ndarray]:
+    """Up to ``depth`` tokens of ``text`` after each of ``ends``, each stopping at the text's
+    end or before its first negative entry (an index's separator between requests), in one
+    gather. Example: text ``[5, 6, -1, 7, 8]``, ends ``[0, 3]``, depth 3: ``[6]`` and ``[8]``."""
+    places = ends[:, None] + 1 + np.arange(depth)  # [ends, depth]
+    rows = np.where(places < text.size, text[np.minimum(places, text.size - 1)], -1)  # [ends, depth]
+    stops = rows < 0
+    lengths = np.where(stops.any(axis=1), stops.argmax(axis=1), depth)  # [ends]
+    return [row[:n] for row, n in zip(rows, lengths.tolist())]
+
+
 @dataclass(frozen=True)
 class Source:
-    """A text the recent n-gram is looked up in: its matches by length (:func:`match_levels`)
-    and what follows a match ending at an index, up to a depth."""
+    """A text the recent n-gram is looked up in (``text``: its tokens, negative ones separating
+    requests) and the n-gram's matches there by length (:func:`match_levels`)."""
 
     levels: list[Matches]
-    continuation: Callable[[int, int], np.ndarray]
+    text: np.ndarray
 
     @classmethod
     def own(cls, tokens: np.ndarray, min_n: int, max_n: int) -> Source:
         """A request's own tokens, the last one matched against those before."""
-        levels = match_levels(tokens[:-1], tokens, min_n, max_n)
-        return cls(levels, lambda end, depth: tokens[end + 1 : end + 1 + depth])
+        return cls(match_levels(tokens[:-1], tokens, min_n, max_n), tokens)
+
+    def continuations(self, ends: np.ndarray, depth: int) -> list[np.ndarray]:
+        """What follows the matches ending at ``ends``, up to ``depth`` tokens (:func:`continuations`)."""
+        return continuations(self.text, ends, depth)
 
     def longest(self, ends: list[int], length: int) -> list[int]:
         """The longest match ending at each of ``ends``, the ``length``-token suffix's occurrences."""
@@ -156,10 +174,10 @@ def best_match(sources: Sequence[Source], depth_of: Callable[[int], int], max_ma
         origin: list[int] = []
         paths: list[np.ndarray] = []
         for i, source in enumerate(sources):
-            found = source.at(length).ends[: max_matches - len(ends)].tolist()
-            ends += found
-            origin += [i] * len(found)
-            paths += [source.continuation(end, depth) for end in found]
+            found = source.at(length).ends[: max_matches - len(ends)]  # [found]
+            ends += found.tolist()
+            origin += [i] * found.size
+            paths += source.continuations(found, depth)
         score = chain_score(paths)
         if best is None or score > best.score:
             best = LookupChoice(length, ends, origin, paths, score)

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from vllm_specbeam.core.config import INDEX_ISOLATION, Option, SpecbeamConfigError
 from vllm_specbeam.core.drafter import DraftRequest, TreeDrafter
-from vllm_specbeam.core.lookup import LookupChoice, Source, best_match, match_levels
+from vllm_specbeam.core.lookup import LookupChoice, Source, best_match
 from vllm_specbeam.core.tree import DraftTree
 from vllm_specbeam.methods.lookup_tree.index import SuffixIndex
 
@@ -138,7 +138,7 @@ class LookupTreeDrafter(TreeDrafter):
         sources = [Source.own(tokens, low, high)]
         partition = None if self.index is None else self.index.partition(self._salt(request))
         if partition is not None:
-            sources.append(Source(match_levels(partition.corpus, tokens, low, high), partition.continuation))
+            sources.append(partition.source(tokens, low, high))
         return best_match(sources, lambda length: self._depth(opts, length), opts["max_matches"])
 
     def _propose_one(self, request: DraftRequest) -> DraftTree:
