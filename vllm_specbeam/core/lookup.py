@@ -6,6 +6,7 @@ drafts before its tri-gram search).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -75,18 +76,14 @@ def chain_score(paths: list[np.ndarray]) -> float:
     decoding scores a draft. Example: paths ``[4, 1]``, ``[4, 2]``, ``[3]``: the chain ``4, 1``
     scores 2/3 + 1/3 = 1."""
     alive = [p.tolist() for p in paths]
-    score, share, depth = 0.0, 1.0, 0
+    score, depth = 0.0, 0
     while alive:
-        counts: dict[int, int] = {}
-        for path in alive:
-            if len(path) > depth:
-                counts[path[depth]] = counts.get(path[depth], 0) + 1
+        counts = Counter(path[depth] for path in alive if len(path) > depth)
         if not counts:
             break
         token = max(counts, key=counts.__getitem__)  # ties: the first seen, the most recent
-        share *= counts[token] / len(alive)
-        score += share
         alive = [path for path in alive if len(path) > depth and path[depth] == token]
+        score += len(alive) / len(paths)  # the share of paths through the chain's token
         depth += 1
     return score
 
@@ -95,6 +92,8 @@ def continuations(text: np.ndarray, ends: np.ndarray, depth: int) -> list[np.nda
     """Up to ``depth`` tokens of ``text`` after each of ``ends``, each stopping at the text's
     end or before its first negative entry (an index's separator between requests), in one
     gather. Example: text ``[5, 6, -1, 7, 8]``, ends ``[0, 3]``, depth 3: ``[6]`` and ``[8]``."""
+    if ends.size == 0:
+        return []
     places = ends[:, None] + 1 + np.arange(depth)  # [ends, depth]
     rows = np.where(places < text.size, text[np.minimum(places, text.size - 1)], -1)  # [ends, depth]
     stops = rows < 0

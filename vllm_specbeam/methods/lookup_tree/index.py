@@ -12,8 +12,8 @@ Matching starts from where the query's last token occurs, read from the partitio
 occurrence lists (sorted runs, as a log-structured merge: a finished sequence is a run of its
 own, and two runs merge once the newer is half as large as the older or more), so a step's
 lookup costs that token's occurrences and a binary search a run, not a scan of the partition.
-At the default 2^18 tokens of real text a step's whole lookup takes 156 µs against a scan's
-276 µs, at 2^20 319 µs against 1,109 (a 2-core AMD EPYC; docs/methods/lookup_tree.md,
+At the default 2^18 tokens of real text a step's whole lookup takes 149 µs against a scan's
+271 µs, at 2^20 246 µs against 859 (a 2-core AMD EPYC; docs/methods/lookup_tree.md,
 "The index at its capacity").
 
 ``capacity`` bounds all partitions together. Past it the oldest sequence of the *largest*
