@@ -245,7 +245,7 @@ RUNNER_LOGITSPROCS = Target(
     "vllm.v1.worker.gpu_model_runner:build_logitsprocs",
     patch=9,
     why="with speculation vLLM builds only the min-tokens logits processor; a plugin engine's runner is "
-    "built with all built-in ones (`adapter/runner.py` `builtin_logitsprocs`; custom ones stay refused)",
+    "built with all built-in ones (`adapter/logitsprocs.py` `builtin_logitsprocs`; custom ones stay refused)",
 )
 BUILTIN_LOGITSPROCS = Target(
     "vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS",

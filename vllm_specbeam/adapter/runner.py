@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +40,7 @@ from vllm_specbeam.adapter.attention.step import check_tree_attention, distinct_
 from vllm_specbeam.adapter.draft_model import SearchDraftRuntime, WorkerDraftRuntime, uses_worker_draft
 from vllm_specbeam.adapter.drafting import TreeDrafting, batch_requests
 from vllm_specbeam.adapter.engine_config import plugin_config
+from vllm_specbeam.adapter.logitsprocs import builtin_logitsprocs
 from vllm_specbeam.adapter.metrics import RunnerMetrics
 from vllm_specbeam.adapter.step_selection import finished_request
 from vllm_specbeam.adapter.step_timing import fitted_lines, same_on_every_rank
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import DraftTokenIds, SamplerOutput
-    from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
@@ -89,27 +89,6 @@ class DrafterHost:
             "vllm-specbeam: the chain proposer path was reached; the engine is not running the plugin's "
             "worker (vllm_specbeam.adapter.worker or .cpu_worker), which the speculative-config patch selects"
         )
-
-
-def builtin_logitsprocs(stock: Callable[..., LogitsProcessors]) -> Callable[..., LogitsProcessors]:
-    """vLLM's ``build_logitsprocs`` with all built-in processors (min-p, logit bias,
-    min-tokens) although the engine speculates: requests that use them are never
-    drafted here, and vLLM's sampler applies them to their one row a step (patch 9)."""
-
-    def build(
-        vllm_config: VllmConfig,
-        device: torch.device,
-        is_pin_memory: bool,
-        is_pooling_model: bool,
-        custom_logitsprocs: Sequence[Any] = (),
-    ) -> LogitsProcessors:
-        if is_pooling_model or custom_logitsprocs:  # vLLM's answer (custom ones are refused with speculation)
-            return stock(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
-        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
-
-        return LogitsProcessors(ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)
-
-    return build
 
 
 class TreeRunnerMixin:
