@@ -17,12 +17,18 @@ the server without speculation (its first wave is the reference): what vLLM
 itself does under these waves, its memory and liveness, and how often its own
 later greedy answers differ from its first (the batch around a request changes
 the rounding of a bfloat16 engine: the rate the plugin's is held to).
+``--turns N`` then times the servers in turns, to tell a few per cent apart on
+a machine whose speed drifts by more between runs: each turn starts every
+server anew (``none`` and the methods, in reverse order every other turn), sends
+one untimed wave and ``--turn-waves`` timed ones, and each method's wave time is
+put against ``none``'s of the same turn.
 ``tests/test_server.py`` runs the same code (``benchmarks/load.py``) on the tiny
 test model.
 
     python benchmarks/load_test.py                             # SmolLM2-135M, lookup_tree and aded, 200 requests
     python benchmarks/load_test.py --methods lookup_tree+global --requests 200 --waves 5
     python benchmarks/load_test.py --methods none lookup_tree --waves 8   # memory: vLLM alone vs the plugin
+    python benchmarks/load_test.py --methods lookup_tree aded --waves 1 --turns 3   # wall time, in turns
 
 (``python -m benchmarks.load_test`` from the repository runs the same.)
 Outputs ``OUT/load.json``, ``OUT/load.md`` and the servers' logs.
@@ -37,16 +43,19 @@ if __name__ == "__main__" and not __package__:  # run as a file: import the pack
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
+import asyncio
 import json
 import os
+import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 from benchmarks import models
 from benchmarks.host import add_dtype_option, choose_dtype
 from benchmarks.load import (
     Answer,
+    Call,
     ServerReport,
     bad_requests,
     finishes,
@@ -55,11 +64,76 @@ from benchmarks.load import (
     rss_table,
     run_plugin_server,
     speculative_config,
+    wave,
     workload,
 )
 from benchmarks.processes import ENV_DEFAULTS, Server, running_server
 from benchmarks.prompts import load_prompts
 from benchmarks.serve_client import served_model
+from benchmarks.tables import markdown_table
+
+
+@dataclass
+class Turns:
+    """Wave wall times of servers started in turns: ``seconds[name][turn]`` holds that turn's timed waves."""
+
+    seconds: dict[str, list[list[float]]] = field(default_factory=dict)
+
+    def ratios(self, name: str) -> list[float]:
+        """``name``'s median wave against ``none``'s, turn by turn."""
+        return [
+            statistics.median(mine) / statistics.median(base)
+            for mine, base in zip(self.seconds[name], self.seconds["none"])
+        ]
+
+    def markdown(self) -> str:
+        rows = [
+            {
+                "method": name,
+                "turns": "; ".join(", ".join(f"{s:.2f}" for s in waves) for waves in per_turn),
+                "by_turn": "" if name == "none" else ", ".join(f"{r:.3f}" for r in self.ratios(name)),
+                "median": None if name == "none" else statistics.median(self.ratios(name)),
+            }
+            for name, per_turn in self.seconds.items()
+        ]
+        columns = (
+            ("method", "method", 0),
+            ("wave s, turn by turn", "turns", 0),
+            ("vs none, turn by turn", "by_turn", 0),
+            ("vs none (median of turns)", "median", 3),
+        )
+        return markdown_table(rows, columns)
+
+
+def timed_turns(
+    model: str,
+    names: Sequence[str],
+    draft: str | None,
+    calls: Sequence[Call],
+    server_args: Sequence[str],
+    args: argparse.Namespace,
+    out: Path,
+) -> Turns:
+    """Every server of ``names`` (``none`` first) started anew in each of ``args.turns`` turns, the
+    order reversed every other turn: one untimed wave, then ``args.turn_waves`` timed ones."""
+    turns = Turns({name: [] for name in names})
+    for turn in range(args.turns):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            config = speculative_config(name, draft)
+            log = out / f"server-{name}-turn{turn + 1}.log"
+            with running_server(model, config, log, *server_args) as server:
+                asyncio.run(wave(server.url, calls, plugin=config is not None))
+                times = []
+                for _ in range(args.turn_waves):
+                    start = time.perf_counter()
+                    answers = asyncio.run(wave(server.url, calls, plugin=config is not None))
+                    times.append(time.perf_counter() - start)
+                    failed = [a for a in answers if isinstance(a, BaseException)]
+                    if failed:
+                        raise RuntimeError(f"{name}, turn {turn + 1}: {len(failed)} requests failed: {failed[0]!r}")
+            turns.seconds[name].append(times)
+            print(f"turn {turn + 1}, {name}: waves {', '.join(f'{t:.2f}' for t in times)} s", flush=True)
+    return turns
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,17 +181,22 @@ def main(argv: list[str] | None = None) -> int:
                 model, speculative_config(name, draft), out / f"server-{name}.log", *server_args
             ) as server:
                 run(name, server, reference)
+    names = ["none", *(name for name in args.methods if name != "none")]
+    turns = timed_turns(model, names, draft, calls, server_args, args, out) if args.turns else None
     (out / "load.json").write_text(
         json.dumps(
             {
                 "config": {**vars(args), "engine_dtype": dtype.engine, "dtype_fallback": dtype.fallback},
                 "reports": [asdict(r) for r in reports],
                 "problems": all_problems,
+                "turns": None if turns is None else turns.seconds,
             },
             indent=1,
         )
     )
     table = markdown(reports) + "\n" + rss_table(reports)
+    if turns is not None:
+        table += f"\nWall time in turns ({args.turns} turns, {args.turn_waves} timed waves each):\n\n{turns.markdown()}"
     (out / "load.md").write_text(table)
     print(table)
     return 1 if any(all_problems.values()) else 0
@@ -141,6 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=200, help="requests per wave, all sent at once")
     parser.add_argument("--waves", type=int, default=2, help="waves per server (memory reported after each)")
     parser.add_argument("--faults", type=int, default=10, help="dropped streams and abandoned requests, each")
+    parser.add_argument("--turns", type=int, default=0, help="then time the servers in this many turns (0: none)")
+    parser.add_argument("--turn-waves", type=int, default=2, help="timed waves per server and turn")
     parser.add_argument(
         "--xargs",
         type=json.loads,

@@ -1277,6 +1277,15 @@ def test_the_load_table_gives_each_servers_wave_time_against_none():
     assert rows["lookup_tree"].rstrip(" |").endswith(f"11.50 | {11.5 / 11.0:.3f}")
 
 
+def test_servers_in_turns_are_each_put_against_none_of_the_same_turn():
+    """The machine ran twice as fast in the second turn: each turn's ratio is 1.1, though the
+    method's waves overall are no faster than none's (against none's median of all waves: 0.73, 1.40)."""
+    turns = load_test.Turns({"none": [[20.0, 22.0], [10.0, 12.0]], "aded": [[23.0, 23.2], [12.0, 12.2]]})
+    assert turns.ratios("aded") == pytest.approx([23.1 / 21.0, 12.1 / 11.0])
+    rows = {line.split("|")[1].strip(): line for line in turns.markdown().splitlines()[2:]}
+    assert rows["aded"].rstrip(" |").endswith(f"1.100, 1.100 | {1.1:.3f}")
+
+
 @pytest.mark.server
 def test_the_off_path_benchmark_rests_the_batch_and_compares_it_with_none(tiny_model, tmp_path):
     """In its own process: the script's two engines are not the session's to manage."""
