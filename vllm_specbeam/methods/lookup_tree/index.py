@@ -8,13 +8,9 @@ matches only its own salt's; requests without a salt share one (key ``None``).
 
 In a partition the sequences sit end to end with a separator (``-1``, never a token id) after
 each, so a match never spans two requests and a continuation stops at its request's end.
-Matching starts from where the query's last token occurs, read from the partition's
-occurrence lists (sorted runs, as a log-structured merge: a finished sequence is a run of its
-own, and two runs merge once the newer is half as large as the older or more), so a step's
-lookup costs that token's occurrences and a binary search a run, not a scan of the partition.
-At the default 2^18 tokens of real text a step's whole lookup takes 149 µs against a scan's
-271 µs, at 2^20 246 µs against 859 (a 2-core AMD EPYC; docs/methods/lookup_tree.md,
-"The index at its capacity").
+Matching starts from where the query's last token occurs, in the partition's occurrence lists
+(sorted runs merged as a log-structured merge), not from a scan of the partition: costs at
+capacity in docs/methods/lookup_tree.md, "The index at its capacity".
 
 ``capacity`` bounds all partitions together. Past it the oldest sequence of the *largest*
 partition goes (ties: the partition created first), never the sequence just added; a sequence
