@@ -200,6 +200,13 @@ async def wave(url: str, calls: Sequence[Call], plugin: bool) -> list[Answer | B
         await client.close()
 
 
+def timed_wave(url: str, calls: Sequence[Call], plugin: bool) -> tuple[float, list[Answer | BaseException]]:
+    """One :func:`wave` and its wall seconds."""
+    start = time.perf_counter()
+    answers = asyncio.run(wave(url, calls, plugin=plugin))
+    return time.perf_counter() - start, answers
+
+
 # ------------------------------------------------------------------- faults
 @dataclass
 class Faults:
@@ -418,9 +425,8 @@ def run_plugin_server(
         problems.append(f"faults not all delivered: {report.faults} of {faults} each")
     problems += check_idle(report, url, pid, plugin)
     for _ in range(waves - 1):
-        start = time.perf_counter()
-        answers = asyncio.run(wave(url, calls, plugin=plugin))
-        report.clean_wave_seconds.append(time.perf_counter() - start)
+        seconds, answers = timed_wave(url, calls, plugin)
+        report.clean_wave_seconds.append(seconds)
         problems += compare_wave(report, calls, answers, reference)
         problems += check_idle(report, url, pid, plugin)
     if requests.get(f"{url}/health", timeout=10).status_code != 200:

@@ -43,7 +43,6 @@ if __name__ == "__main__" and not __package__:  # run as a file: import the pack
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -64,7 +63,7 @@ from benchmarks.load import (
     rss_table,
     run_plugin_server,
     speculative_config,
-    wave,
+    timed_wave,
     workload,
 )
 from benchmarks.processes import ENV_DEFAULTS, Server, running_server
@@ -122,15 +121,11 @@ def timed_turns(
             config = speculative_config(name, draft)
             log = out / f"server-{name}-turn{turn + 1}.log"
             with running_server(model, config, log, *server_args) as server:
-                asyncio.run(wave(server.url, calls, plugin=config is not None))
-                times = []
-                for _ in range(args.turn_waves):
-                    start = time.perf_counter()
-                    answers = asyncio.run(wave(server.url, calls, plugin=config is not None))
-                    times.append(time.perf_counter() - start)
-                    failed = [a for a in answers if isinstance(a, BaseException)]
-                    if failed:
-                        raise RuntimeError(f"{name}, turn {turn + 1}: {len(failed)} requests failed: {failed[0]!r}")
+                timed = [timed_wave(server.url, calls, config is not None) for _ in range(1 + args.turn_waves)]
+            failed = [a for _, answers in timed for a in answers if isinstance(a, BaseException)]
+            if failed:
+                raise RuntimeError(f"{name}, turn {turn + 1}: {len(failed)} requests failed: {failed[0]!r}")
+            times = [seconds for seconds, _ in timed[1:]]  # the first wave warms the server up
             turns.seconds[name].append(times)
             print(f"turn {turn + 1}, {name}: waves {', '.join(f'{t:.2f}' for t in times)} s", flush=True)
     return turns
@@ -183,23 +178,23 @@ def main(argv: list[str] | None = None) -> int:
                 run(name, server, reference)
     names = ["none", *(name for name in args.methods if name != "none")]
     turns = timed_turns(model, names, draft, calls, server_args, args, out) if args.turns else None
-    (out / "load.json").write_text(
-        json.dumps(
-            {
-                "config": {**vars(args), "engine_dtype": dtype.engine, "dtype_fallback": dtype.fallback},
-                "reports": [asdict(r) for r in reports],
-                "problems": all_problems,
-                "turns": None if turns is None else turns.seconds,
-            },
-            indent=1,
-        )
-    )
+    config = {**vars(args), "engine_dtype": dtype.engine, "dtype_fallback": dtype.fallback}
+    write_outputs(out, config, reports, all_problems, turns)
+    return 1 if any(all_problems.values()) else 0
+
+
+def write_outputs(
+    out: Path, config: dict, reports: Sequence[ServerReport], problems: dict[str, list[str]], turns: Turns | None
+) -> None:
+    """``load.json`` (everything measured) and ``load.md`` (the tables, also printed)."""
+    record = {"config": config, "reports": [asdict(r) for r in reports], "problems": problems}
+    (out / "load.json").write_text(json.dumps({**record, "turns": None if turns is None else turns.seconds}, indent=1))
     table = markdown(reports) + "\n" + rss_table(reports)
     if turns is not None:
-        table += f"\nWall time in turns ({args.turns} turns, {args.turn_waves} timed waves each):\n\n{turns.markdown()}"
+        none = turns.seconds["none"]
+        table += f"\nWall time in turns ({len(none)} turns, {len(none[0])} timed waves each):\n\n{turns.markdown()}"
     (out / "load.md").write_text(table)
     print(table)
-    return 1 if any(all_problems.values()) else 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
