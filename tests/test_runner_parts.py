@@ -96,6 +96,19 @@ def test_requests_to_draft_asks_the_budget_for_auto_requests_and_counts_those_it
     assert asked.automatic == [True] and asked.batch_indices == [0] and asked.sitting_out == 1
 
 
+def test_a_request_number_under_an_auto_engine_caps_the_budget_instead_of_fixing_the_tree() -> None:
+    seen = []
+
+    def draft_cap(req_id: str, cap: int) -> int:
+        seen.append((req_id, cap))
+        return 0  # the budget sits it out, as it may any automatic request
+
+    capped = request("capped", 0, SamplingParams(extra_args={"max_nodes": 4}))
+    asked = requests_to_draft([capped], AUTO, draft_cap)
+    assert seen == [("capped", 4)]
+    assert asked.requests == [] and asked.sitting_out == 1
+
+
 def test_requests_to_draft_of_an_empty_batch_asks_nothing() -> None:
     asked = requests_to_draft([], FIXED, draft_cap=None)
     assert (asked.requests, asked.batch_indices, asked.automatic, asked.sitting_out) == ([], [], [], 0)

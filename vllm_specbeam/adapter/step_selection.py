@@ -140,7 +140,9 @@ def requests_to_draft(batch: Sequence[BatchRequest], config: SpecbeamConfig, dra
         options = config.with_overrides(args.overrides)
         if depth < options["num_speculative_tokens"]:
             options["num_speculative_tokens"] = depth
-        auto = options["max_nodes"] == AUTO
+        # Under an automatic engine a request's number is its cap, never a fixed tree: a request
+        # may lower the budget but not take its batch out of the controller's hands.
+        auto = AUTO in (options["max_nodes"], config.options["max_nodes"])
         if auto:
             assert draft_cap is not None  # AUTO is an option of prunable methods only
             options["max_nodes"] = draft_cap(request.req_id, node_cap(options))

@@ -80,7 +80,7 @@ BUDGET_OPTIONS: dict[str, Option] = {
     "max_nodes": Option(
         AUTO,
         "nodes of one draft tree: auto (chosen each step from measured step costs and the request's "
-        "acceptance, up to auto_max_nodes) or a fixed number",
+        "acceptance, up to auto_max_nodes) or a fixed number (per request under auto: that request's cap)",
         1,
         128,
         auto=True,
