@@ -13,9 +13,10 @@ import pytest
 from conftest import greedy, make_prompts, runner_stats, token_ids
 from specs import LOOKUP, LOOKUP_GLOBAL
 
+from vllm_specbeam.core.budget import FILL_KIND
 from vllm_specbeam.core.config import TREE_OPTIONS, parse
 from vllm_specbeam.core.drafter import DraftRequest
-from vllm_specbeam.core.lookup import continuations, match_ends, match_kind, match_levels
+from vllm_specbeam.core.lookup import INDEX_KIND, continuations, match_ends, match_kind, match_levels
 from vllm_specbeam.core.tree import ROOT
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 from vllm_specbeam.methods.lookup_tree.index import REPORTED_PARTITIONS, SEPARATOR, IndexStats, SuffixIndex
@@ -243,6 +244,18 @@ def test_nodes_from_the_index_are_marked_through_a_merged_tree() -> None:
     assert marked == {5: False, 0: False, 1: False, 2: False, 3: True, 4: True}
     assert tree.truncate(1).from_index.size == 1
     assert tree.keep(tree.from_index).from_index.tolist() == [True, True]
+
+
+def test_nodes_only_the_index_continues_are_a_kind_of_their_own() -> None:
+    """The step budget learns how often other requests' text is accepted apart from the
+    request's own (``match_kind(n, indexed=True)``): "1 2" goes on with ``5 0 1 2`` in the
+    request and with ``5 9`` in the index; ``5`` is the request's own kind, ``9`` the index's."""
+    drafter = LookupTreeDrafter(options(scope="global", prompt_lookup_max=2))
+    drafter.finished([DraftRequest("a", np.asarray([1, 2, 5, 9]), options())])
+    tree = drafter.propose([DraftRequest("b", np.asarray([7, 1, 2, 5, 0, 1, 2]), options())])[0]
+    kinds = {int(t): int(k) for t, k in zip(tree.tokens, tree.kinds)}
+    assert kinds == {5: match_kind(2), 0: match_kind(2), 1: match_kind(2), 2: match_kind(2), 9: match_kind(2, True)}
+    assert match_kind(2, True) == match_kind(2) + INDEX_KIND < FILL_KIND
 
 
 def test_nodes_are_labelled_with_the_length_of_their_match() -> None:

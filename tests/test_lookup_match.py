@@ -82,8 +82,8 @@ def test_the_best_scoring_length_drafts(seed: int) -> None:
     if choice is not None:  # each path's own longest match, and the kind of the nodes it walks
         assert all(length >= choice.length for length in choice.lengths)
         tree = choice.tree(64)
-        for nodes, length in zip(tree.walks(choice.paths), choice.lengths):
-            assert all(tree.kinds[node] <= match_kind(length) for node in nodes)
+        for nodes, length, source in zip(tree.walks(choice.paths), choice.lengths, choice.sources):
+            assert all(tree.kinds[node] <= match_kind(length, indexed=source > 0) for node in nodes)
 
 
 def test_a_frequent_shorter_match_beats_a_longer_one_that_ends() -> None:
@@ -100,6 +100,7 @@ def test_a_frequent_shorter_match_beats_a_longer_one_that_ends() -> None:
     assert choice.length == 2 and choice.score == pytest.approx(1.5)
     tree = choice.tree(8)
     assert tree.tokens.tolist() == [4, 4, 7] and tree.parents.tolist() == [ROOT, 0, ROOT]
-    # the shorter match drafts the chain; the sibling from the 6-token match keeps that match's kind
-    assert tree.kinds.tolist() == [match_kind(2), match_kind(2), match_kind(6)]
+    # the shorter match drafts the chain; the sibling from the 6-token match keeps that match's
+    # kind; all of them the index's
+    assert tree.kinds.tolist() == [match_kind(2, True), match_kind(2, True), match_kind(6, True)]
     assert chain_score([np.asarray([4, 1]), np.asarray([4, 2]), np.asarray([3])]) == pytest.approx(1.0)

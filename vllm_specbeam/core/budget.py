@@ -35,7 +35,7 @@ from vllm_specbeam.core.tree import ROOT, DraftTree, committed_path
 #: depths, sibling ranks and node kinds beyond these share the last bucket
 DEPTH_BUCKETS = 8
 RANK_BUCKETS = 4
-KIND_BUCKETS = 5
+KIND_BUCKETS = 9
 #: acceptance is counted per (kind, depth, rank) cell
 CELLS = KIND_BUCKETS * DEPTH_BUCKETS * RANK_BUCKETS
 #: a request's rate is ``(hits + PRIOR_TRIALS * engine rate) / (trials + PRIOR_TRIALS)``
@@ -47,9 +47,9 @@ ENGINE_DECAY = 0.995
 MAX_IDLE_DOUBLINGS = 3
 #: longest rest, in steps, of a source after fruitless tries (:class:`BackOff`: 1, 2, 4, 8)
 MAX_REST = 8
-#: the kind of the nodes that fill what lookup branches (kinds 0-3, by match length) leave: a draft
-#: model's, or ``aded``'s search
-FILL_KIND = 4
+#: the kind of the nodes that fill what lookup branches (kinds 0-7: by match length, and whether
+#: only other requests' text continues through them) leave: a draft model's, or ``aded``'s search
+FILL_KIND = 8
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,8 @@ class Source:
 @dataclass(frozen=True)
 class LookupChoice:
     """The match length chosen, and its occurrences, most recent first, earlier sources first:
-    where each ends, its source, its continuation, and the longest match it has."""
+    where each ends, its source (0: the request's own tokens; others: a cross-request index),
+    its continuation, and the longest match it has."""
 
     length: int
     ends: list[int]
@@ -152,7 +153,12 @@ class LookupChoice:
         drafted = [i for i, path in enumerate(self.paths) if path.size]
         if not drafted:
             return DraftTree.empty()
-        return match_tree([self.paths[i] for i in drafted], [self.lengths[i] for i in drafted], max_nodes)
+        return match_tree(
+            [self.paths[i] for i in drafted],
+            [self.lengths[i] for i in drafted],
+            [self.sources[i] > 0 for i in drafted],
+            max_nodes,
+        )
 
 
 def best_match(sources: Sequence[Source], depth_of: Callable[[int], int], max_matches: int) -> LookupChoice | None:
@@ -190,24 +196,34 @@ def best_match(sources: Sequence[Source], depth_of: Callable[[int], int], max_ma
     return replace(best, lengths=lengths)
 
 
-def match_kind(length: int) -> int:
+#: added to :func:`match_kind` for a match in other requests' text (a cross-request index)
+INDEX_KIND = 4
+
+
+def match_kind(length: int, indexed: bool = False) -> int:
     """The step budget's kind (``DraftTree.kinds``) of the nodes continuing a ``length``-token
-    match: 0 for 4 tokens or more, 1 for 3, 2 for 2, 3 for 1. Longer matches are accepted
-    more often: replaying SmolLM2's greedy HumanEval answers through ``lookup_tree`` (a one-off
-    script, docs/measurements.md "Node kinds"), the target kept 92 % of the tried nodes of
-    5-token matches and 60 % of 2-token ones."""
-    return 0 if length >= 4 else 4 - max(length, 1)
+    match: 0 for 4 tokens or more, 1 for 3, 2 for 2, 3 for 1, plus :data:`INDEX_KIND` in
+    another request's text. Longer matches are accepted more often: replaying SmolLM2's greedy
+    HumanEval answers through ``lookup_tree`` (a one-off script, docs/measurements.md "Node
+    kinds"), the target kept 92 % of the tried nodes of 5-token matches and 60 % of 2-token
+    ones. Other requests' text is accepted apart: code editing's first steps match the shared
+    instruction into another request's answer."""
+    return (0 if length >= 4 else 4 - max(length, 1)) + INDEX_KIND * indexed
 
 
-def match_tree(paths: list[np.ndarray], lengths: Sequence[int], max_nodes: int) -> DraftTree:
-    """The continuations of matches (each of ``lengths`` tokens) merged into one tree of at
-    most ``max_nodes`` nodes. Equal weights: a node weighs how many matches continue through
-    it; ties go to the most recent match (``paths`` come most recent first). A node's kind
-    (:func:`match_kind`) is that of the longest match continuing through it."""
+def match_tree(paths: list[np.ndarray], lengths: Sequence[int], indexed: Sequence[bool], max_nodes: int) -> DraftTree:
+    """The continuations of matches (each of ``lengths`` tokens; ``indexed``: in another
+    request's text) merged into one tree of at most ``max_nodes`` nodes. Equal weights: a node
+    weighs how many matches continue through it; ties go to the most recent match (``paths``
+    come most recent first). A node's kind (:func:`match_kind`) is the least of the matches
+    continuing through it: the request's own before the index, then the longest. Example:
+    ``[5, 6]`` of a 3-token match in the request and ``[5, 7]`` of a 4-token one in the
+    index: kinds ``[1, 1, 4]`` for the nodes ``5, 6, 7``."""
+    kinds_of = [match_kind(n, i) for n, i in zip(lengths, indexed, strict=True)]
     tree = DraftTree.from_weighted_paths(paths, np.ones(len(paths)), max_nodes)
-    if len(set(lengths)) <= 1:  # one match length: no walk needed
-        return tree.with_kinds(match_kind(lengths[0] if lengths else 1))
-    kinds = np.full(tree.num_nodes, match_kind(1), np.int64)  # [num_nodes]
-    for nodes, length in zip(tree.walks(paths), lengths):
-        kinds[nodes] = np.minimum(kinds[nodes], match_kind(length))
+    if len(set(kinds_of)) <= 1:  # one kind: no walk needed
+        return tree.with_kinds(kinds_of[0] if kinds_of else match_kind(1))
+    kinds = np.full(tree.num_nodes, max(kinds_of), np.int64)  # [num_nodes]
+    for nodes, kind in zip(tree.walks(paths), kinds_of):
+        kinds[nodes] = np.minimum(kinds[nodes], kind)
     return tree.with_kinds(kinds)

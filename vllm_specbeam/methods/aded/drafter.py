@@ -49,7 +49,7 @@ SOURCE_PRIOR_KEPT, SOURCE_PRIOR_CHECKED = 0.5, 1.0
 #: how long a request's search rests after fruitless ones (1, 2, 4, 8 steps; the schedule
 #: a draft model behind lookup branches retries on too)
 SearchRest = BackOff
-#: the step budget's kind of the search's nodes (the matches' are 0-3, by match length:
+#: the step budget's kind of the search's nodes (the matches' are 0-7, by match length and source:
 #: :func:`~vllm_specbeam.core.lookup.match_kind`), so it learns whether they pay apart
 SEARCH_KIND = FILL_KIND
 

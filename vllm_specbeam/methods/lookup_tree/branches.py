@@ -2,7 +2,7 @@
 
 Each step a request's tree starts with what ``lookup_tree`` drafts (its drafter,
 request or global scope, with :attr:`LookupBranches.DEFAULTS` over its own defaults: node
-kinds 0-2 by match length). The draft model drafts below the root, after them, only the
+kinds by match length and source). The draft model drafts below the root, after them, only the
 nodes they and ``max_nodes`` leave (:func:`lookup_first`: nodes valued by the acceptance per
 kind, depth and rank that :class:`~vllm_specbeam.core.budget.StepBudget` learns from the
 committed tokens); when they leave none, the draft runs no forward that step
