@@ -212,7 +212,9 @@ def tree_sweep(
     """A tree method's engine sizes and its sweep: the fixed (depth, nodes) points
     of ``grid`` per request, led by the per-step budget at the method's defaults
     (``auto``) where the method has one. The engine is started at the largest
-    of them (per-request options may only lower it)."""
+    of them (per-request options may only lower it), at a fixed ``max_nodes``
+    when there are fixed points: under an automatic engine a request's number
+    only caps the budget."""
     from vllm_specbeam.core.config import AUTO
 
     options = method.options()
@@ -231,7 +233,11 @@ def tree_sweep(
         "auto_max_nodes": defaults["auto_max_nodes"],
     }
     cap = max([defaults["auto_max_nodes"], *(n for _, n in grid)])
-    sizes = {"num_speculative_tokens": depth, "max_nodes": AUTO, "auto_max_nodes": cap}
+    sizes = {
+        "num_speculative_tokens": depth,
+        "max_nodes": cap if fixed else AUTO,
+        "auto_max_nodes": auto["auto_max_nodes"],
+    }
     return sizes, [Setting("auto", dict(auto), dict(auto)), *fixed]
 
 

@@ -602,10 +602,11 @@ def test_plan_follows_plugin_methods():
     assert status["draft_model"].status == "skipped" and status["beam_search"].status == "skipped"
     assert engines[-1].method == "none"  # last: it scores every output
     lookup = next(e for e in engines if e.id == "lookup_tree")
-    # One engine at the grid's maximum; the sweep is per-request options, led by the
-    # per-step budget at the method's defaults (depth 4, up to 16 nodes).
-    assert lookup.speculative_config["max_nodes"] == "auto"
-    assert lookup.speculative_config["auto_max_nodes"] == max(16, *(n for _, n in plan.SWEEPS["quick"].tree))
+    # One engine at the grid's maximum, a fixed max_nodes so that the fixed points are fixed trees (a
+    # request's number under an automatic engine only caps the budget); the sweep is per-request
+    # options, led by the per-step budget at the method's defaults (depth 4, up to 16 nodes).
+    assert lookup.speculative_config["max_nodes"] == max(16, *(n for _, n in plan.SWEEPS["quick"].tree))
+    assert lookup.speculative_config["auto_max_nodes"] == 16
     assert [s.extra_args for s in lookup.settings] == [
         {"num_speculative_tokens": 4, "max_nodes": "auto", "auto_max_nodes": 16},
         *({"num_speculative_tokens": d, "max_nodes": n} for d, n in plan.SWEEPS["quick"].tree),
