@@ -19,7 +19,7 @@ later greedy answers differ from its first (the batch around a request changes
 the rounding of a bfloat16 engine: the rate the plugin's is held to).
 ``--turns N`` then times the servers in turns, to tell a few per cent apart on
 a machine whose speed drifts by more between runs: each turn starts every
-server anew (``none`` and the methods, in reverse order every other turn), sends
+server anew (``none`` and the methods, the order rotated each turn), sends
 one untimed wave and ``--turn-waves`` timed ones, and each method's wave time is
 put against ``none``'s of the same turn.
 ``tests/test_server.py`` runs the same code (``benchmarks/load.py``) on the tiny
@@ -113,11 +113,11 @@ def timed_turns(
     args: argparse.Namespace,
     out: Path,
 ) -> Turns:
-    """Every server of ``names`` (``none`` first) started anew in each of ``args.turns`` turns, the
-    order reversed every other turn: one untimed wave, then ``args.turn_waves`` timed ones."""
+    """Every server of ``names`` (``none`` first) started anew in each of ``args.turns`` turns, in
+    :func:`turn_order`: one untimed wave, then ``args.turn_waves`` timed ones."""
     turns = Turns({name: [] for name in names})
     for turn in range(args.turns):
-        for name in names if turn % 2 == 0 else names[::-1]:
+        for name in turn_order(names, turn):
             config = speculative_config(name, draft)
             log = out / f"server-{name}-turn{turn + 1}.log"
             with running_server(model, config, log, *server_args) as server:
@@ -129,6 +129,14 @@ def timed_turns(
             turns.seconds[name].append(times)
             print(f"turn {turn + 1}, {name}: waves {', '.join(f'{t:.2f}' for t in times)} s", flush=True)
     return turns
+
+
+def turn_order(names: Sequence[str], turn: int) -> list[str]:
+    """``names`` rotated by ``turn``, so that in ``len(names)`` turns every server runs once in every
+    place of a turn (a machine that drifts within a turn favours no server). Example: ``a b c``,
+    then ``b c a``, then ``c a b``."""
+    shift = turn % len(names)
+    return [*names[shift:], *names[:shift]]
 
 
 def main(argv: list[str] | None = None) -> int:

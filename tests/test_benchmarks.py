@@ -1287,6 +1287,14 @@ def test_servers_in_turns_are_each_put_against_none_of_the_same_turn():
     assert rows["aded"].rstrip(" |").endswith(f"1.100, 1.100 | {1.1:.3f}")
 
 
+def test_servers_take_every_place_of_a_turn_once_in_as_many_turns():
+    names = ["none", "lookup_tree", "aded"]
+    orders = [load_test.turn_order(names, turn) for turn in range(4)]
+    assert orders[0] == names and orders[3] == names
+    for place in range(len(names)):  # reversing every other turn would keep lookup_tree in the middle
+        assert sorted(order[place] for order in orders[:3]) == sorted(names)
+
+
 @pytest.mark.server
 def test_the_off_path_benchmark_rests_the_batch_and_compares_it_with_none(tiny_model, tmp_path):
     """In its own process: the script's two engines are not the session's to manage."""
