@@ -208,7 +208,7 @@ def match_kind(length: int, indexed: bool = False) -> int:
     kinds"), the target kept 92 % of the tried nodes of 5-token matches and 60 % of 2-token
     ones. Other requests' text is accepted apart: code editing's first steps match the shared
     instruction into another request's answer."""
-    return (0 if length >= 4 else 4 - max(length, 1)) + INDEX_KIND * indexed
+    return (0 if length >= 4 else 4 - max(length, 1)) + (INDEX_KIND if indexed else 0)
 
 
 def match_tree(paths: list[np.ndarray], lengths: Sequence[int], indexed: Sequence[bool], max_nodes: int) -> DraftTree:
@@ -216,14 +216,20 @@ def match_tree(paths: list[np.ndarray], lengths: Sequence[int], indexed: Sequenc
     request's text) merged into one tree of at most ``max_nodes`` nodes. Equal weights: a node
     weighs how many matches continue through it; ties go to the most recent match (``paths``
     come most recent first). A node's kind (:func:`match_kind`) is the least of the matches
-    continuing through it: the request's own before the index, then the longest. Example:
-    ``[5, 6]`` of a 3-token match in the request and ``[5, 7]`` of a 4-token one in the
-    index: kinds ``[1, 1, 4]`` for the nodes ``5, 6, 7``."""
+    continuing through it: the request's own before the index, then the longest;
+    ``from_index`` marks the nodes an index match walks through (``None``: none does).
+    Example: ``[5, 6]`` of a 3-token match in the request and ``[5, 7]`` of a 4-token one in
+    the index: kinds ``[1, 1, 4]`` and ``from_index`` ``[True, False, True]`` for the nodes
+    ``5, 6, 7``."""
     kinds_of = [match_kind(n, i) for n, i in zip(lengths, indexed, strict=True)]
     tree = DraftTree.from_weighted_paths(paths, np.ones(len(paths)), max_nodes)
-    if len(set(kinds_of)) <= 1:  # one kind: no walk needed
-        return tree.with_kinds(kinds_of[0] if kinds_of else match_kind(1))
-    kinds = np.full(tree.num_nodes, max(kinds_of), np.int64)  # [num_nodes]
-    for nodes, kind in zip(tree.walks(paths), kinds_of):
-        kinds[nodes] = np.minimum(kinds[nodes], kind)
-    return tree.with_kinds(kinds)
+    kinds = np.full(tree.num_nodes, max(kinds_of, default=match_kind(1)), np.int64)  # [num_nodes]
+    if len(set(kinds_of)) <= 1:  # one kind is one source: every node has it, no walk needed
+        walked_by_index = np.full(tree.num_nodes, any(indexed))  # [num_nodes]
+    else:
+        walked_by_index = np.zeros(tree.num_nodes, bool)
+        for nodes, kind, in_index in zip(tree.walks(paths), kinds_of, indexed):
+            kinds[nodes] = np.minimum(kinds[nodes], kind)
+            walked_by_index[nodes] |= in_index
+    from_index = walked_by_index if any(indexed) else None
+    return DraftTree(tree.tokens, tree.parents, tree.draft_probs, kinds=kinds, from_index=from_index)

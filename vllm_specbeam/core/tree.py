@@ -41,8 +41,9 @@ class DraftTree:
     ``None`` is kind 0 for every node.
 
     ``from_index`` marks the nodes that continue other requests' text (a
-    drafter's cross-request index, :meth:`with_from_index`), so the runner counts
-    what one request's text drafts for another's apart; ``None``: no node does.
+    drafter's cross-request index: :func:`~vllm_specbeam.core.lookup.match_tree`),
+    so the runner counts what one request's text drafts for another's apart;
+    ``None``: no node does.
     """
 
     tokens: np.ndarray
@@ -264,16 +265,6 @@ class DraftTree:
         """This tree with its nodes' kinds set (one integer for all of them, or one per node)."""
         per_node = np.broadcast_to(np.asarray(kinds, np.int64), self.tokens.shape).copy()  # [num_nodes]
         return DraftTree(self.tokens, self.parents, self.draft_probs, kinds=per_node, from_index=self.from_index)
-
-    def with_from_index(self, paths: Iterable[Sequence[int] | np.ndarray]) -> DraftTree:
-        """This tree with :attr:`from_index` set on every node one of ``paths`` (token
-        sequences from the root, another request's continuations) walks through.
-        Example: tokens ``[5, 6, 7]``, parents ``[-1, 0, 0]`` and the path ``[5, 7, 9]``:
-        ``[True, False, True]``."""
-        marked = np.zeros(self.num_nodes, bool)  # [num_nodes]
-        for nodes in self.walks(paths):
-            marked[nodes] = True
-        return DraftTree(self.tokens, self.parents, self.draft_probs, kinds=self.kinds, from_index=marked)
 
     def walks(self, paths: Iterable[Sequence[int] | np.ndarray]) -> list[list[int]]:
         """The nodes each of ``paths`` (token sequences from the root) walks down, as far as the

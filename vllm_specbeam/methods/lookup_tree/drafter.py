@@ -145,9 +145,7 @@ class LookupTreeDrafter(TreeDrafter):
         choice = self.choose(request)
         if choice is None:
             return DraftTree.empty()
-        tree = choice.tree(request.options["max_nodes"])
-        indexed = [path for path, source in zip(choice.paths, choice.sources) if source == 1]
-        return tree.with_from_index(indexed) if indexed else tree
+        return choice.tree(request.options["max_nodes"])
 
     @staticmethod
     def _depth(opts: Mapping[str, Any], length: int) -> int:
