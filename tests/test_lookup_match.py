@@ -104,3 +104,23 @@ def test_a_frequent_shorter_match_beats_a_longer_one_that_ends() -> None:
     # kind; all of them the index's
     assert tree.kinds.tolist() == [match_kind(2, True), match_kind(2, True), match_kind(6, True)]
     assert chain_score([np.asarray([4, 1]), np.asarray([4, 2]), np.asarray([3])]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chain_score_follows_the_most_frequent_token_depth_by_depth(seed):
+    # brute force: at each depth every path still on the chain votes for its next token; the
+    # most votes (ties: the first path's, the most recent) extend the chain, and the chain's
+    # token scores the share of all paths that reached it
+    rng = np.random.default_rng(seed)
+    paths = [rng.integers(0, 3, rng.integers(0, 5)) for _ in range(rng.integers(1, 10))]
+    paths += [paths[0]] * int(rng.integers(0, 3))  # equal paths, as repeated text gives
+    on_chain, expected, depth = list(range(len(paths))), 0.0, 0
+    while True:
+        votes = [int(paths[k][depth]) for k in on_chain if paths[k].size > depth]
+        if not votes:
+            break
+        token = max(votes, key=lambda t: (votes.count(t), -votes.index(t)))
+        on_chain = [k for k in on_chain if paths[k].size > depth and paths[k][depth] == token]
+        expected += len(on_chain) / len(paths)
+        depth += 1
+    assert chain_score(paths) == expected

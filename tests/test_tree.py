@@ -90,6 +90,36 @@ def test_from_weighted_paths_takes_heaviest_nodes_best_first():
     assert deeper.parents.tolist() == [ROOT, 0, 1, 1, ROOT, 4]
 
 
+def _prefixes(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root, in the tree's row order."""
+    return [tuple(tree.tokens[tree.path_to(node)].tolist()) for node in range(tree.num_nodes)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_from_weighted_paths_keeps_the_heaviest_prefixes_laid_out_heaviest_child_first(seed):
+    # brute force: every prefix weighs its paths' weights; with non-negative weights a prefix
+    # is never lighter than its extensions and is seen first, so the max_nodes first of all
+    # prefixes by (weight desc, first seen) are a connected tree, the one best-first must keep
+    rng = np.random.default_rng(seed)
+    paths = [rng.integers(0, 3, rng.integers(0, 6)).tolist() for _ in range(rng.integers(1, 12))]
+    weights = rng.choice([0.5, 1.0, 2.0], len(paths))
+    max_nodes = int(rng.integers(1, 20))
+    weight: dict[tuple[int, ...], float] = {}
+    for path, w in zip(paths, weights):
+        for depth in range(1, len(path) + 1):
+            weight[tuple(path[:depth])] = weight.get(tuple(path[:depth]), 0.0) + w
+    seen = list(weight)
+    rank = sorted(seen, key=lambda prefix: (-weight[prefix], seen.index(prefix)))
+    kept = set(rank[:max_nodes])
+
+    def depth_first(prefix: tuple[int, ...]) -> list[tuple[int, ...]]:
+        below = [c for c in rank if c in kept and c[:-1] == prefix and len(c) == len(prefix) + 1]
+        return [row for c in below for row in [c, *depth_first(c)]]
+
+    tree = DraftTree.from_weighted_paths(paths, weights, max_nodes)
+    assert _prefixes(tree) == depth_first(())
+
+
 def test_greedy_path_follows_argmax_through_non_first_branch():
     argmax_rows = np.zeros(TREE.num_nodes + 1, np.int64)
     argmax_rows[0] = 11  # root -> b (the second child)

@@ -75,16 +75,22 @@ def chain_score(paths: list[np.ndarray]) -> float:
     first): the sum over its tokens of the share of paths that continue through it, as suffix
     decoding scores a draft. Example: paths ``[4, 1]``, ``[4, 2]``, ``[3]``: the chain ``4, 1``
     scores 2/3 + 1/3 = 1."""
-    alive = [p.tolist() for p in paths]
-    score, depth = 0.0, 0
-    while alive:
-        counts = Counter(path[depth] for path in alive if len(path) > depth)
-        if not counts:
-            break
-        token = max(counts, key=counts.__getitem__)  # ties: the first seen, the most recent
-        alive = [path for path in alive if len(path) > depth and path[depth] == token]
-        score += len(alive) / len(paths)  # the share of paths through the chain's token
+    alive: dict[tuple[int, ...], int] = Counter(tuple(path.tolist()) for path in paths)  # equal paths once
+    total, score, depth = len(paths), 0.0, 0
+    while len(alive) > 1:
+        tokens: Counter[int] = Counter()
+        for path, count in alive.items():
+            if len(path) > depth:
+                tokens[path[depth]] += count
+        if not tokens:
+            return score
+        token = max(tokens, key=tokens.__getitem__)  # ties: the first seen, the most recent
+        alive = {path: count for path, count in alive.items() if len(path) > depth and path[depth] == token}
+        score += sum(alive.values()) / total  # the share of paths through the chain's token
         depth += 1
+    for path, count in alive.items():  # one path left: the chain follows it to its end
+        for _ in range(len(path) - depth):
+            score += count / total
     return score
 
 
@@ -126,7 +132,8 @@ class Source:
                 break
             within = set(level.ends.tolist())
             lengths = [n or (level.length if end in within else 0) for n, end in zip(lengths, ends)]
-        return [n or self.at(length).length for n in lengths]
+        shortest = self.at(length).length
+        return [n or shortest for n in lengths]
 
     def at(self, length: int) -> Matches:
         """The occurrences of the ``length``-token suffix: the shortest level at least that long."""
@@ -221,15 +228,42 @@ def match_tree(paths: list[np.ndarray], lengths: Sequence[int], indexed: Sequenc
     Example: ``[5, 6]`` of a 3-token match in the request and ``[5, 7]`` of a 4-token one in
     the index: kinds ``[1, 1, 4]`` and ``from_index`` ``[True, False, True]`` for the nodes
     ``5, 6, 7``."""
-    kinds_of = [match_kind(n, i) for n, i in zip(lengths, indexed, strict=True)]
-    tree = DraftTree.from_weighted_paths(paths, np.ones(len(paths)), max_nodes)
-    kinds = np.full(tree.num_nodes, max(kinds_of, default=match_kind(1)), np.int64)  # [num_nodes]
-    if len(set(kinds_of)) <= 1:  # one kind is one source: every node has it, no walk needed
+    merged = _Distinct.of(paths, [match_kind(n, i) for n, i in zip(lengths, indexed, strict=True)], indexed)
+    tree = DraftTree.from_weighted_paths(merged.paths, merged.counts, max_nodes)
+    kinds = np.full(tree.num_nodes, max(merged.kinds, default=match_kind(1)), np.int64)  # [num_nodes]
+    if len(set(merged.kinds)) <= 1:  # one kind is one source: every node has it, no walk needed
         walked_by_index = np.full(tree.num_nodes, any(indexed))  # [num_nodes]
     else:
         walked_by_index = np.zeros(tree.num_nodes, bool)
-        for nodes, kind, in_index in zip(tree.walks(paths), kinds_of, indexed):
+        for nodes, kind, in_index in zip(tree.walks(merged.paths), merged.kinds, merged.indexed):
             kinds[nodes] = np.minimum(kinds[nodes], kind)
             walked_by_index[nodes] |= in_index
     from_index = walked_by_index if any(indexed) else None
     return DraftTree(tree.tokens, tree.parents, tree.draft_probs, kinds=kinds, from_index=from_index)
+
+
+@dataclass
+class _Distinct:
+    """Equal paths as one, first seen first: how many there were, the least kind and whether any
+    was in the index (equal paths walk the same nodes, so a tree of these is the same tree)."""
+
+    paths: list[np.ndarray]
+    counts: list[int]
+    kinds: list[int]
+    indexed: list[bool]
+
+    @classmethod
+    def of(cls, paths: Sequence[np.ndarray], kinds: Sequence[int], indexed: Sequence[bool]) -> _Distinct:
+        merged = cls([], [], [], [])
+        where: dict[bytes, int] = {}
+        for path, kind, in_index in zip(paths, kinds, indexed, strict=True):
+            k = where.setdefault(path.tobytes(), len(merged.paths))
+            if k == len(merged.paths):
+                merged.paths.append(path)
+                merged.counts.append(0)
+                merged.kinds.append(kind)
+                merged.indexed.append(False)
+            merged.counts[k] += 1
+            merged.kinds[k] = min(merged.kinds[k], kind)
+            merged.indexed[k] |= bool(in_index)
+        return merged

@@ -124,33 +124,24 @@ class DraftTree:
         first, so the most likely branch is one run of consecutive rows: the
         stock causal attention is already right for it.
         """
-        weight: dict[tuple[int, ...], float] = {}
-        for path, w in zip(paths, weights):
-            for depth in range(1, len(path) + 1):
-                prefix = tuple(int(t) for t in path[:depth])
-                weight[prefix] = weight.get(prefix, 0.0) + float(w)
-        order = {prefix: i for i, prefix in enumerate(weight)}
-        children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-        for prefix in weight:
-            children.setdefault(prefix[:-1], []).append(prefix)
-        rank = {prefix: (-weight[prefix], order[prefix]) for prefix in weight}
-        frontier = [(rank[c], c) for c in children.get((), [])]
+        trie = _Trie.of(paths, weights)
+        frontier = [(-trie.weight[c], c) for c in trie.children.get(ROOT, ())]  # heaviest first; ties: first seen
         heapq.heapify(frontier)
-        kept: set[tuple[int, ...]] = set()
-        while frontier and len(kept) < max_nodes:
-            _, prefix = heapq.heappop(frontier)
-            kept.add(prefix)
-            for c in children.get(prefix, []):
-                heapq.heappush(frontier, (rank[c], c))
+        kept: dict[int, list[int]] = {ROOT: []}  # each kept node's kept children, heaviest first
+        while frontier and len(kept) <= max_nodes:
+            _, node = heapq.heappop(frontier)
+            kept[trie.parents[node]].append(node)
+            kept[node] = []
+            for c in trie.children.get(node, ()):
+                heapq.heappush(frontier, (-trie.weight[c], c))
         tokens: list[int] = []
         parents: list[int] = []
-        stack = [(c, ROOT) for c in sorted(children.get((), []), key=lambda c: rank[c], reverse=True) if c in kept]
+        stack = [(c, ROOT) for c in reversed(kept[ROOT])]
         while stack:
-            prefix, parent = stack.pop()
-            tokens.append(prefix[-1])
+            node, parent = stack.pop()
+            tokens.append(trie.tokens[node])
             parents.append(parent)
-            below = [c for c in children.get(prefix, []) if c in kept]
-            stack.extend((c, len(tokens) - 1) for c in sorted(below, key=lambda c: rank[c], reverse=True))
+            stack.extend((c, len(tokens) - 1) for c in reversed(kept[node]))
         return cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
 
     # ------------------------------------------------------------ queries
@@ -281,6 +272,34 @@ class DraftTree:
                 nodes.append(below)
             walked.append(nodes)
         return walked
+
+
+@dataclass
+class _Trie:
+    """Paths merged by their prefixes: node ids in the order first seen, each node's summed weight."""
+
+    tokens: list[int]
+    parents: list[int]
+    weight: list[float]
+    children: dict[int, list[int]]  # by parent node (ROOT: the first level), first seen first
+
+    @classmethod
+    def of(cls, paths: Sequence[Sequence[int] | np.ndarray], weights: Sequence[float] | np.ndarray) -> _Trie:
+        trie = cls([], [], [], {})
+        node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for path, w in zip(paths, weights):
+            parent = ROOT
+            for token in np.asarray(path).tolist():
+                node = node_of.get((parent, token))
+                if node is None:
+                    node = node_of[parent, token] = len(trie.tokens)
+                    trie.tokens.append(token)
+                    trie.parents.append(parent)
+                    trie.weight.append(0.0)
+                    trie.children.setdefault(parent, []).append(node)
+                trie.weight[node] += float(w)
+                parent = node
+        return trie
 
 
 def committed_path(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> list[int]:
