@@ -7,7 +7,9 @@ HumanEval's first 32 prompts and reference solutions is then drafted for at ever
 solution, as ``lookup_tree``'s global scope does (request tokens and the index, one-token
 matches up to 24): ``LookupTreeDrafter.choose`` with the partition's occurrence lists, and the
 same ``choose`` with the last token's occurrences found by a scan of the partition. Both must
-choose alike; the table gives the median and 90th percentile of a step's lookup in µs.
+choose alike; the table gives the median and 90th percentile of a step's lookup in µs, and of
+the lookup with the tree it drafts (``LookupChoice.tree`` at the global scope's cap, 48 nodes), what
+a step pays.
 
     python docs/results/index-at-capacity/index_scale.py --model smollm2-135m-instruct
 """
@@ -28,7 +30,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from benchmarks.models import resolve
 from benchmarks.prompts import load_prompts
-from vllm_specbeam.core.config import parse
+from vllm_specbeam.core.config import node_cap, parse
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.methods.lookup_tree.drafter import LookupTreeDrafter
 from vllm_specbeam.methods.lookup_tree.index import Partition
@@ -50,14 +52,19 @@ def scan(partition: Partition, token: int) -> np.ndarray:
     return np.flatnonzero(partition.corpus == token)
 
 
-def timed_choices(drafter: LookupTreeDrafter, requests: list[DraftRequest]) -> tuple[list[float], list]:
-    times, choices = [], []
+def timed_choices(drafter: LookupTreeDrafter, requests: list[DraftRequest]) -> tuple[list[float], list[float], list]:
+    """Each step's lookup, and its lookup with the tree it drafts, in seconds; the choices."""
+    lookups, steps, choices = [], [], []
     for request in requests:
         began = time.perf_counter()
         choice = drafter.choose(request)
-        times.append(time.perf_counter() - began)
+        chosen = time.perf_counter()
+        if choice is not None:
+            choice.tree(node_cap(request.options))
+        lookups.append(chosen - began)
+        steps.append(time.perf_counter() - began)
         choices.append(None if choice is None else (choice.ends, choice.length))
-    return times, choices
+    return lookups, steps, choices
 
 
 def main() -> None:
@@ -76,18 +83,19 @@ def main() -> None:
             DraftRequest("r", tokens[:end], dict(spec.options)) for end in range(max(2, tokens.size - 200), tokens.size)
         ]
     print(f"{len(requests)} steps of {args.prompts} prompts\n")
-    print("| index tokens | memory MiB | occurrence lists µs (p90) | scan µs (p90) |\n|---|---|---|---|")
+    print("| index tokens | memory MiB | occurrence lists µs (p90) | with the tree µs (p90) | scan µs (p90) |")
+    print("|---|---|---|---|---|")
     for size in args.index_tokens:
         drafter = LookupTreeDrafter({**spec.options, "index_tokens": size})
         for start in range(0, size, SEQUENCE):
             drafter.index.add(None, text[start : min(start + SEQUENCE, size)])
-        lists, fast = timed_choices(drafter, requests)
+        lists, steps, fast = timed_choices(drafter, requests)
         with patch.object(Partition, "occurrences", scan):
-            scanned, slow = timed_choices(drafter, requests)
+            scanned, _, slow = timed_choices(drafter, requests)
         assert fast == slow, "the occurrence lists and the scan chose differently"
-        times = {"lists": lists, "scan": scanned}
+        times = {"lists": lists, "steps": steps, "scan": scanned}
         cells = [f"{1e6 * statistics.median(t):.0f} ({1e6 * np.percentile(t, 90):.0f})" for t in times.values()]
-        print(f"| {drafter.index.num_tokens} | {drafter.state_bytes / 2**20:.1f} | {cells[0]} | {cells[1]} |")
+        print(f"| {drafter.index.num_tokens} | {drafter.state_bytes / 2**20:.1f} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
