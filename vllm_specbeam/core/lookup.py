@@ -88,7 +88,8 @@ def chain_score(paths: list[np.ndarray]) -> float:
         alive = {path: count for path, count in alive.items() if len(path) > depth and path[depth] == token}
         score += sum(alive.values()) / total  # the share of paths through the chain's token
         depth += 1
-    for path, count in alive.items():  # one path left: the chain follows it to its end
+    for path, count in alive.items():  # one path left: the chain follows it to its end, added
+        # depth by depth as above (the same float sum, so ties between match lengths break alike)
         for _ in range(len(path) - depth):
             score += count / total
     return score

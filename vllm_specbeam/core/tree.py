@@ -16,6 +16,7 @@ Row 0 of every per-row array below is the root; node ``i`` is row ``i + 1``.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -92,21 +93,8 @@ class DraftTree:
         most promising continuation first. A path is kept as far as the budget
         allows (its prefix), never with a gap.
         """
-        tokens: list[int] = []
-        parents: list[int] = []
-        children: dict[tuple[int, int], int] = {}
-        for path in paths:
-            node = ROOT
-            for token in path:
-                key = (node, int(token))
-                if key not in children:
-                    if max_nodes is not None and len(tokens) >= max_nodes:
-                        break
-                    children[key] = len(tokens)
-                    tokens.append(int(token))
-                    parents.append(node)
-                node = children[key]
-        return cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
+        trie = _Trie.of(paths, itertools.repeat(1.0), max_nodes)  # nodes in the order first seen
+        return cls(np.asarray(trie.tokens, np.int64), np.asarray(trie.parents, np.int64))
 
     @classmethod
     def from_weighted_paths(
@@ -276,7 +264,8 @@ class DraftTree:
 
 @dataclass
 class _Trie:
-    """Paths merged by their prefixes: node ids in the order first seen, each node's summed weight."""
+    """Paths merged by their prefixes: node ids in the order first seen, each node's summed weight;
+    with ``max_nodes``, a path stops where it would add a node past it (its prefix is kept)."""
 
     tokens: list[int]
     parents: list[int]
@@ -284,7 +273,12 @@ class _Trie:
     children: dict[int, list[int]]  # by parent node (ROOT: the first level), first seen first
 
     @classmethod
-    def of(cls, paths: Sequence[Sequence[int] | np.ndarray], weights: Sequence[float] | np.ndarray) -> _Trie:
+    def of(
+        cls,
+        paths: Iterable[Sequence[int] | np.ndarray],
+        weights: Iterable[float],
+        max_nodes: int | None = None,
+    ) -> _Trie:
         trie = cls([], [], [], {})
         node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
         for path, w in zip(paths, weights):
@@ -292,6 +286,8 @@ class _Trie:
             for token in np.asarray(path).tolist():
                 node = node_of.get((parent, token))
                 if node is None:
+                    if max_nodes is not None and len(trie.tokens) >= max_nodes:
+                        break
                     node = node_of[parent, token] = len(trie.tokens)
                     trie.tokens.append(token)
                     trie.parents.append(parent)
