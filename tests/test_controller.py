@@ -7,6 +7,7 @@ whole tree, dear ones switch the draft off but for its back-off probes.
 
 from __future__ import annotations
 
+import functools
 from itertools import combinations
 
 import numpy as np
@@ -361,6 +362,27 @@ def test_a_request_whose_draft_lags_is_left_to_wait_while_its_peers_draft() -> N
     runtime.lags.clear()  # caught up, it drafts too
     d.plan_step(prices)
     assert all(t.num_nodes for t in d.propose(requests))
+
+
+def test_a_draining_batch_drafts_for_the_request_it_waits_for_alone() -> None:
+    """Four requests under a draft forward that pays at one row each (the test above): all draft
+    while their tokens are worth alike; once the batch drains and waits for ``a`` alone
+    (:attr:`StepPrices.worth`: ``a``'s tokens worth twice the average, the others' a twentieth,
+    rows past the knee), only ``a`` drafts, the others' drafts deferred; ``dsbd``'s chains and
+    ``mcsd`` behind lookup branches (nothing to look up here) alike."""
+    worth = {"a": 2.0, "b": 0.05, "c": 0.05, "d": 0.05}
+    for make in (priced, dsbd, functools.partial(priced, lookup="request")):
+        drafted = {}
+        for label, prices in (
+            ("alike", StepPrices(4, TARGET, StepCost(0.004, 0.002))),
+            ("draining", StepPrices(4, TARGET, StepCost(0.004, 0.002), worth=worth)),
+        ):
+            d, runtime = make(prices)
+            requests = [DraftRequest(req_id, np.asarray([5, 6]), d.options, 0.0) for req_id in "abcd"]
+            drafted[label] = [tree.num_nodes > 0 for tree in d.propose(requests)]
+            if label == "draining":
+                assert runtime.deferred == ["b", "c", "d"], make
+        assert drafted == {"alike": [True] * 4, "draining": [True, False, False, False]}, make
 
 
 def test_dear_forwards_switch_the_draft_off_but_for_probes() -> None:

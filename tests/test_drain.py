@@ -112,3 +112,38 @@ def test_the_drafting_step_values_tokens_by_what_they_save_once_the_batch_drains
         drafting.budget.wake()  # every request asked every step
     assert all(kept[0]) and drafting.counts.steps_draining == 3
     assert kept[-1] == [True] + [False] * 7
+
+
+def test_a_drafter_that_prices_its_own_drafts_gets_each_requests_worth_once_the_batch_drains():
+    """The same batch as above, handed to a drafter that cuts its trees by the step's prices
+    (``mcsd``, ``dsbd`` chains, the hybrid lookup): its prices carry no worth while requests join
+    and :func:`token_worth` by request once the batch drains (the one with 60 tokens to go the
+    batch's last)."""
+    from vllm import SamplingParams
+
+    from vllm_specbeam.adapter.drafting import TreeDrafting
+    from vllm_specbeam.adapter.step_selection import BatchRequest
+    from vllm_specbeam.adapter.tree_counts import TreeCounts
+    from vllm_specbeam.core.config import METHODS, parse
+
+    class PricingDrafter(METHODS["lookup_tree"].drafter_class()):  # type: ignore[misc]
+        cuts_to_step_cost = True
+
+        def plan_step(self, prices):
+            worths.append(dict(prices.worth))
+
+    worths: list[dict[str, float]] = []
+    config = parse({"method": "lookup_tree", "num_speculative_tokens": 4})
+    drafting = TreeDrafting(config, PricingDrafter(config.options), TreeCounts())
+    assert drafting.budget is not None
+    drafting.budget.cost = drafting.budget.chain_cost = drafting.budget.plain_cost = HINGE
+    ids = [f"r{k}" for k in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=60 if k == 0 else 20) for k in range(8)]
+    tokens = np.asarray([7, 8, 9, 10] * 6 + [7], np.int64)  # [25]
+    for step in range(8):
+        drafting.drafts_this_step(ids, params)
+        drafting.propose([BatchRequest(r, k, params[k], step, tokens, True) for k, r in enumerate(ids)], 4096, None)
+    assert worths[0] == {} and len(worths) == 8
+    expected = token_worth([60 - 7] + [20 - 7] * 7, HINGE)
+    assert worths[-1] == pytest.approx(dict(zip(ids, expected.tolist())))
+    assert worths[-1]["r0"] > 1 > worths[-1]["r1"]

@@ -124,6 +124,7 @@ class TreeDrafting:
         """The drafter's trees for the requests that draft this step, cut to what pays and fits."""
         budget = self.budget
         asked = requests_to_draft(batch, self.config, None if budget is None else budget.draft_cap)
+        worth = {} if budget is None else self._worth(batch, max_model_len)
         prices = StepPrices(
             len(batch),
             None if budget is None else budget.cost,
@@ -131,6 +132,7 @@ class TreeDrafting:
             None if budget is None else budget.plain_cost,
             None if budget is None else budget.chain_cost,
             probe=self.probing,
+            worth=worth,
         )
         start = time.perf_counter()
         if budget is not None and self.drafter.cuts_to_step_cost:
@@ -143,7 +145,7 @@ class TreeDrafting:
         self.counts.budget_idle += asked.sitting_out
         offered = asked.sitting_out > 0 or any(tree.num_nodes for tree in trees)
         if any(asked.automatic):
-            trees = self._keep_what_pays(asked, trees, len(batch), self._worth(batch, max_model_len))
+            trees = self._keep_what_pays(asked, trees, len(batch), worth)
         proposal = _clipped(asked, trees, len(batch), max_model_len)
         if self.switch is not None:
             if self.same_on_every_rank is not None:  # host sync (a broadcast) under tensor parallelism

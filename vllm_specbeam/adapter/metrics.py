@@ -55,7 +55,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "steps_probed": ("vllm:specbeam_steps_probed", "Steps that drafted again after a rest (the controller's probes)."),
     "steps_draining": (
         "vllm:specbeam_steps_draining",
-        "Steps of a batch no request had joined for a while (lookup_tree and aded value its tokens by what they save).",
+        "Steps of a batch no request had joined for a while (every priced method values its tokens by what they save).",
     ),
     "nodes": (
         "vllm:specbeam_nodes",

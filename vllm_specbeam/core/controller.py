@@ -25,8 +25,8 @@ nothing, and probes to come back (rationale: docs/budget.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from vllm_specbeam.core.budget import BackOff, BatchCost, StepCost, step_line
 
@@ -60,6 +60,9 @@ class StepPrices:
     chain: StepCost | None = None
     #: the step follows the batch's rest (:class:`Switch`): a draft that does not pay is probed
     probe: bool = False
+    #: a draining batch's requests' committed tokens against a step's average, by request
+    #: (:func:`~vllm_specbeam.core.drain.token_worth`; absent: 1, as while requests join)
+    worth: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def step(self) -> BatchCost | None:
@@ -88,6 +91,8 @@ class StepLedger:
     probing: bool = False
     #: some of its nodes were drafted unpriced (a probe, a request's own threshold): ``tokens`` lacks their value
     unvalued: bool = False
+    #: :attr:`StepPrices.worth`: a request's expected tokens count times its worth
+    worth: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, prices: StepPrices, other_rows: int = 0) -> StepLedger | None:
@@ -96,7 +101,12 @@ class StepLedger:
         step = prices.step
         if step is None:
             return None
-        return cls(step, prices.draft, float(prices.batch_size), prices.batch_size + other_rows, probe_due=prices.probe)
+        tokens, rows = float(prices.batch_size), prices.batch_size + other_rows
+        return cls(step, prices.draft, tokens, rows, probe_due=prices.probe, worth=prices.worth)
+
+    def worth_of(self, req_id: str) -> float:
+        """What a token of ``req_id`` is worth to this step, against a step's average token."""
+        return self.worth.get(req_id, 1.0)
 
     def probed_alone(self, batch_size: int) -> bool:
         """Whether the step drafts a probe and nothing valued beside it."""

@@ -79,8 +79,9 @@ class PricedDraftModel:
         if ledger is not None:
             gated = [k for k, shape in enumerate(first_levels) if shape is not None]
             first = [path_values(first_levels[k], self.values.rates(requests[k].req_id)) for k in gated]  # type: ignore[arg-type]
+            gains = [sum(v) * ledger.worth_of(requests[k].req_id) for k, v in zip(gated, first)]
             fed = [runtime.sync_rows(requests[k].req_id, requests[k].token_ids) for k in gated]
-            chosen = [gated[k] for k in self.gate.choose(ledger, [sum(v) for v in first], [len(v) for v in first], fed)]
+            chosen = [gated[k] for k in self.gate.choose(ledger, gains, [len(v) for v in first], fed)]
             drafting = sorted(set(drafting) - set(gated) | set(chosen))
             caps = [1 if ledger.probing and k in chosen else None for k in drafting]
             runtime.defer([r.req_id for k, r in enumerate(requests) if k not in drafting])

@@ -206,7 +206,8 @@ def draft_beams(
 ) -> None:
     """Advance every request's beams to their last depth, one batched draft forward per depth for
     all requests still drafting (draws in request order). Given the step's ``ledger`` (not a
-    probe's), each node of a one-beam chain (``max_width: 1``) is valued at its draft probability,
+    probe's), each node of a one-beam chain (``max_width: 1``) is valued at its draft probability
+    (times its request's :meth:`~vllm_specbeam.core.controller.StepLedger.worth_of`),
     and a chain is fed for its next node only where that node, guessed as likely as the last one
     given its parent, pays for its row and its share of the forward (:func:`forwards_that_pay`);
     beams of more are drafted whatever it costs, the ledger unvalued. A probe's node is valued
@@ -222,10 +223,11 @@ def draft_beams(
             assert ledger is not None
             for b, (tokens, _) in depth:
                 if tokens:
-                    ledger.add(b.chain_value(-1) if b.is_chain else 0.0, len(tokens))
+                    ledger.add(b.chain_value(-1) * ledger.worth_of(b.req_id) if b.is_chain else 0.0, len(tokens))
             chains = [b for b in drafting if b.is_chain]
             fixed = sum(len(b.live) for b in drafting if not b.is_chain)
-            chosen = forwards_that_pay(ledger, [b.next_guess() for b in chains], [1] * len(chains), fixed)
+            guesses = [b.next_guess() * ledger.worth_of(b.req_id) for b in chains]
+            chosen = forwards_that_pay(ledger, guesses, [1] * len(chains), fixed)
             for k in set(range(len(chains))) - set(chosen):
                 chains[k].stop()
             drafting = [b for b in drafting if not b.done]

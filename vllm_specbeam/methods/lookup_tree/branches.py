@@ -288,7 +288,8 @@ class LookupBranches:
         ``"stop_threshold": "auto"`` requests whose first level pays for their share of its forward,
         catch-up included (:class:`~vllm_specbeam.core.controller.DraftGate`, valued by the learnt
         rates; the forward is charged here, the levels as they are drafted)."""
-        ledger.add(sum(split.value for split in splits), sum(split.verified.num_nodes for split in splits))
+        worth = [ledger.worth_of(r.req_id) for r in requests]
+        ledger.add(sum(s.value * w for s, w in zip(splits, worth)), sum(s.verified.num_nodes for s in splits))
         candidates = [
             k
             for k, (r, split) in enumerate(zip(requests, splits))
@@ -297,8 +298,9 @@ class LookupBranches:
         if not candidates:
             return splits
         first = [splits[k].fill_first for k in candidates]
+        gains = [sum(values) * worth[k] for k, values in zip(candidates, first)]
         fed = [runtime.sync_rows(requests[k].req_id, requests[k].token_ids) for k in candidates]
-        drafting = self.gate.choose(ledger, [sum(values) for values in first], [len(values) for values in first], fed)
+        drafting = self.gate.choose(ledger, gains, [len(values) for values in first], fed)
         chosen = {candidates[k]: 1 if ledger.probing else splits[candidates[k]].fill_nodes for k in drafting}
         return [
             dataclasses.replace(split, fill_nodes=chosen.get(k, 0)) if k in candidates else split

@@ -108,8 +108,11 @@ class _Growth:
         cap: int | None = None,
         exclude: Sequence[int] = (),
         priced: bool = False,
+        worth: float = 1.0,
     ) -> None:
         self.req_id = request.req_id
+        #: its committed token against a step's average (:attr:`StepLedger.worth`): scales its levels' values
+        self.worth = worth
         #: each level and draft forward priced (:func:`_levels_that_pay`), else held to ``threshold``
         threshold = request.options["stop_threshold"]
         self.priced = priced and threshold == AUTO
@@ -142,12 +145,12 @@ class _Growth:
         if self.cap is not None:
             nodes = min(nodes, self.cap - len(self.tokens))
         values = [v * (row[j] if j < len(row) else 0.0) for v, row in zip(self.values, scored) for j in range(width)]
-        return sum(values[:nodes]), nodes
+        return sum(values[:nodes]) * self.worth, nodes
 
     def next_guess(self) -> float:
         """The next level's expected accepted tokens before its rows are scored: each frontier
         node's value times its parent row's score (confidence persists from one depth to the next)."""
-        return sum(v * h for v, h in zip(self.values, self.hints))
+        return sum(v * h for v, h in zip(self.values, self.hints)) * self.worth
 
     def grow(self, generator: torch.Generator, scored: list[list[float]] | None = None) -> tuple[list[int], list[int]]:
         """Add the next level below the frontier; its tokens and parents. ``scored``: the frontier
@@ -358,9 +361,10 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, PricedDraftModel, DraftMod
         synced = runtime.sync_many([(r.req_id, r.token_ids, n) for r, n in zip(requests, reserve)])
         # a probe is drafted whatever it costs and valued at nothing (the committed tokens value it)
         priced = ledger is not None and not ledger.probing
+        worth = [1.0 if ledger is None else ledger.worth_of(r.req_id) for r in requests]
         growths = [
-            None if logits is None else _Growth(r, w, logits, cap, exclude, priced)
-            for r, w, logits, cap, exclude in zip(requests, widths, synced, caps, excludes)
+            None if logits is None else _Growth(r, w, logits, cap, exclude, priced, value)
+            for r, w, logits, cap, exclude, value in zip(requests, widths, synced, caps, excludes, worth)
         ]
         growing = [g for g in growths if g is not None]
         if ledger is not None:  # requests drafted by their own threshold leave the step unvalued
