@@ -363,8 +363,8 @@ class McsdDrafter(lookup_branches.LookupFirstDrafter, PricedDraftModel, DraftMod
         priced = ledger is not None and not ledger.probing
         worth = [1.0 if ledger is None else ledger.worth_of(r.req_id) for r in requests]
         growths = [
-            None if logits is None else _Growth(r, w, logits, cap, exclude, priced, value)
-            for r, w, logits, cap, exclude, value in zip(requests, widths, synced, caps, excludes, worth)
+            None if logits is None else _Growth(r, w, logits, cap, exclude, priced, request_worth)
+            for r, w, logits, cap, exclude, request_worth in zip(requests, widths, synced, caps, excludes, worth)
         ]
         growing = [g for g in growths if g is not None]
         if ledger is not None:  # requests drafted by their own threshold leave the step unvalued
