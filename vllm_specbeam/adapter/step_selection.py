@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vllm_specbeam.adapter.engine_config import CACHE_SALT_KEY
-from vllm_specbeam.core.config import AUTO, SpecbeamConfig, node_cap
+from vllm_specbeam.core.config import AUTO, DEPTH_OPTIONS, SpecbeamConfig, node_cap
 from vllm_specbeam.core.drafter import DraftRequest
 from vllm_specbeam.core.tree import DraftTree
 
@@ -138,8 +138,9 @@ def requests_to_draft(batch: Sequence[BatchRequest], config: SpecbeamConfig, dra
             continue
         args = request_args(params)
         options = config.with_overrides(args.overrides)
-        if depth < options["num_speculative_tokens"]:
-            options["num_speculative_tokens"] = depth
+        for key in DEPTH_OPTIONS:  # no draft past max_tokens: the lookup's branches may go deeper than the draft's
+            if key in options and depth < options[key]:
+                options[key] = depth
         # Under an automatic engine a request's number is its cap, never a fixed tree: a request
         # may lower the budget but not take its batch out of the controller's hands.
         auto = AUTO in (options["max_nodes"], config.options["max_nodes"])

@@ -117,6 +117,9 @@ LOOKUP_OPTIONS: dict[str, Option] = {
     "index_isolation": INDEX_ISOLATION,
 }
 
+#: the options that bound how deep a tree drafts (a request near its ``max_tokens`` lowers each)
+DEPTH_OPTIONS = ("num_speculative_tokens", "lookup_depth")
+
 
 def node_cap(options: Mapping[str, Any]) -> int:
     """The most nodes a tree may have under these options: ``max_nodes``, or

@@ -84,7 +84,7 @@ def token_worth(left: Sequence[int | None], plain: StepCost | None) -> np.ndarra
     batch = len(left)
     if plain is None or batch == 0 or any(n is None for n in left):
         return np.ones(batch)
-    tokens_left = np.asarray(left, float)  # [batch]
+    tokens_left = np.maximum(np.asarray(left, float), 0.0)  # [batch]: a request past its end has none
     last = tokens_left >= tokens_left.max() * (1 - LAST_SHARE)  # [batch]
     ending = int(last.sum())
     average = float(plain.seconds(batch)) / batch
