@@ -18,6 +18,7 @@ from test_mcsd import drafter, request
 
 from vllm_specbeam.core.budget import BatchCost, StepCost, choose_nodes
 from vllm_specbeam.core.controller import (
+    CATCH_UP_STEPS,
     LONGEST_REST,
     MAX_OFF_STEPS,
     PROBE_SHARE,
@@ -26,6 +27,7 @@ from vllm_specbeam.core.controller import (
     StepLedger,
     StepPrices,
     Switch,
+    catch_up_rows,
     load_bucket,
     overhead,
     paying_share,
@@ -304,17 +306,39 @@ def test_the_gate_probes_at_every_step_after_the_batch_rest() -> None:
 
 
 def test_the_gate_charges_each_requests_catch_up_and_probes_the_cheapest() -> None:
-    """A request whose draft lags 40 tokens (it sat out 40 steps) is refused where its caught-up
-    peers draft; the forward is charged at the rows fed. When none pays, the probe is the request
-    of the most tokens per second of its own, not the most valuable one dragging a catch-up."""
+    """A request whose draft lags 400 tokens (a long prompt it never read) is refused where its
+    caught-up peers draft, even spread over its steps; the forward is charged at the rows fed.
+    When none pays, the probe is the request of the most tokens per second of its own, not the
+    most valuable one dragging a catch-up."""
     draft = StepCost(0.006, 0.001)
     ledger = StepLedger.of(StepPrices(4, TARGET, draft))
     assert ledger is not None
-    assert DraftGate().choose(ledger, [0.6] * 4, [1] * 4, [1, 1, 1, 41]) == [0, 1, 2]
+    assert DraftGate().choose(ledger, [0.6] * 4, [1] * 4, [1, 1, 1, 401]) == [0, 1, 2]
     assert ledger.draft_seconds == pytest.approx(float(draft.seconds(3)))
     ledger = StepLedger.of(StepPrices(4, TARGET, StepCost(0.2, 0.001)))  # no share pays
     assert ledger is not None
-    assert DraftGate().choose(ledger, [0.9, 0.6], [1, 1], [41, 1]) == [1] and ledger.probing
+    assert DraftGate().choose(ledger, [0.9, 0.6], [1, 1], [401, 1]) == [1] and ledger.probing
+
+
+def test_a_batch_whose_draft_sat_out_catches_up_where_drafting_in_step_pays() -> None:
+    """8 requests whose draft lags 41 tokens each (a prompt, a rest), a first level worth 0.7 a request: fed
+    whole, the catch-up (328 rows) outweighs a step's gain, so a draft that once sat out would never
+    run again; spread over :data:`CATCH_UP_STEPS` steps it pays, and the forward is charged at its
+    share, the rest invested. A draft not worth running in step stays off whatever the lag."""
+    target, draft = StepCost(0.140, 0.002), StepCost(0.046, 0.0004)  # a 1.5B target, a 0.5B draft, on CPU
+    ledger = StepLedger.of(StepPrices(8, target, draft))
+    assert ledger is not None
+    assert DraftGate().choose(ledger, [0.7] * 8, [1] * 8, [41] * 8) == list(range(8))
+    share = 8 * catch_up_rows(41)
+    assert share == 8 * (1 + 40 / CATCH_UP_STEPS) and catch_up_rows(41, tokens_left=4) == 11
+    assert ledger.draft_seconds == pytest.approx(float(draft.seconds(share)))
+    assert ledger.invested_seconds == pytest.approx(float(draft.seconds(8 * 41)) - float(draft.seconds(share)))
+    whole = StepLedger.of(StepPrices(8, target, draft))
+    assert whole is not None and paying_share(whole, [0.7] * 8, [1] * 8, [41] * 8) == []  # priced whole: none
+    ledger = StepLedger.of(StepPrices(8, target, draft))
+    assert ledger is not None and paying_share(ledger, [0.1] * 8, [1] * 8, [1] * 8) == []
+    assert DraftGate().choose(ledger, [0.1] * 8, [1] * 8, [41] * 8) == [0] and ledger.probing  # its probe
+    assert ledger.invested_seconds == 0.0 and ledger.draft_seconds == pytest.approx(float(draft.seconds(41)))
 
 
 # ---------------------------------------------------------------- the priced mcsd drafter

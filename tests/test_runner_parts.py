@@ -75,6 +75,7 @@ def test_requests_to_draft_keeps_tree_requests_with_depth_left_and_caps_their_de
     assert asked.batch_indices == [0, 4, 6]
     assert asked.automatic == [False, False, False] and asked.sitting_out == 0
     assert [r.options["num_speculative_tokens"] for r in asked.requests] == [4, 2, 4]
+    assert [r.tokens_left for r in asked.requests] == [13, 3, 13]  # vLLM's default max_tokens: 16
     assert [r.temperature for r in asked.requests] == [0.0, 1.0, 0.7]
     assert [r.cache_salt for r in asked.requests] == [None, None, "tenant-a"]
     assert asked.requests[1].token_ids is batch[4].token_ids

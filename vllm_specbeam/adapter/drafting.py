@@ -205,7 +205,8 @@ class TreeDrafting:
         if self.drafter.probed:
             self.switch.probed(step_overhead)
             return
-        judged = None if gain is None else utility(prices, gain, rows, seconds, branched)
+        spent = max(seconds - self.drafter.invested_seconds, 0.0)  # a catch-up is judged by its share
+        judged = None if gain is None else utility(prices, gain, rows, spent, branched)
         self.switch.after(judged, offered and rows == 0, step_overhead)
 
 

@@ -151,7 +151,14 @@ def requests_to_draft(batch: Sequence[BatchRequest], config: SpecbeamConfig, dra
                 asked.sitting_out += 1
                 continue
         asked.requests.append(
-            DraftRequest(request.req_id, request.token_ids, options, params.temperature, args.cache_salt)
+            DraftRequest(
+                request.req_id,
+                request.token_ids,
+                options,
+                params.temperature,
+                args.cache_salt,
+                None if params.max_tokens is None else depth + 1,
+            )
         )
         asked.batch_indices.append(request.batch_index)
         asked.automatic.append(auto)

@@ -32,6 +32,10 @@ from vllm_specbeam.core.budget import BackOff, BatchCost, StepCost, step_line
 
 #: the rests double up to this many steps (a batch probes after 1, 2, 4, ... resting steps)
 MAX_OFF_STEPS = 16
+#: a draft's catch-up (the committed tokens it lacks: its request's prompt, or what was committed
+#: while it sat out, past the one row a step that keeps it in step feeds) is priced as spread over
+#: this many steps, or the tokens its request has left if fewer: it buys the steps after it
+CATCH_UP_STEPS = 32
 #: at most this share of a resting batch's time goes to its probes: a probe dearer than
 #: ``PROBE_SHARE * MAX_OFF_STEPS`` plain steps (a draft's catch-up at a large batch) rests longer
 PROBE_SHARE = 0.02
@@ -93,6 +97,9 @@ class StepLedger:
     unvalued: bool = False
     #: :attr:`StepPrices.worth`: a request's expected tokens count times its worth
     worth: Mapping[str, float] = field(default_factory=dict)
+    #: seconds of catch-up this step spends for the steps after it (:func:`catch_up_rows`): in the
+    #: draft's forwards, not in :attr:`draft_seconds`, which holds their share of this step
+    invested_seconds: float = 0.0
 
     @classmethod
     def of(cls, prices: StepPrices, other_rows: int = 0) -> StepLedger | None:
@@ -117,18 +124,18 @@ class StepLedger:
         """The step's seconds so far (a planted free step costs a nanosecond: rates stay defined)."""
         return max(float(self.target.seconds(self.rows)) + self.draft_seconds, 1e-9)
 
-    def draft_price(self, forwards: Sequence[int]) -> float:
+    def draft_price(self, forwards: Sequence[float]) -> float:
         """Seconds of draft forwards of these many rows each."""
         if self.draft is None:
             return 0.0
         return sum(float(self.draft.seconds(rows)) for rows in forwards if rows > 0)
 
-    def price(self, rows: int, forwards: Sequence[int] = ()) -> float:
+    def price(self, rows: int, forwards: Sequence[float] = ()) -> float:
         """Seconds that ``rows`` more verified rows and draft forwards of ``forwards`` rows add."""
         more = float(self.target.seconds(self.rows + rows)) - float(self.target.seconds(self.rows))
         return more + self.draft_price(forwards)
 
-    def marginal_price(self, rows: int, fed: int, fixed: int = 0) -> float:
+    def marginal_price(self, rows: int, fed: float, fixed: int = 0) -> float:
         """Seconds a candidate's ``rows`` verified rows and ``fed`` rows of a draft forward add,
         past what the forward costs anyway (its intercept, or ``fixed`` rows fed whatever it costs)."""
         draft = 0.0 if self.draft is None else float(self.draft.seconds(fixed + fed)) - float(self.draft.seconds(fixed))
@@ -151,15 +158,27 @@ class StepLedger:
         return paid
 
 
+def catch_up_rows(fed: int, tokens_left: int | None = None) -> float:
+    """The rows a request's draft sync is priced at this step: the one row that keeps it in step,
+    and the rest spread over :data:`CATCH_UP_STEPS` steps (fewer when the request has fewer
+    ``tokens_left``; ``None``: no limit). Priced whole, a catch-up (a prompt the draft never
+    read, or the tokens of a rest) never pays for one step's gain at a large batch, so the draft
+    would never run however well it drafts.
+
+    Example: a 129-token prompt the draft lacks: ``1 + 128 / 32 = 5`` rows; 3 tokens left: 43 rows."""
+    steps = CATCH_UP_STEPS if tokens_left is None else max(1, min(CATCH_UP_STEPS, tokens_left))
+    return 1 + max(fed - 1, 0) / steps
+
+
 def own_rates(
-    ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int], fixed: int = 0
+    ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[float], fixed: int = 0
 ) -> list[float]:
     """Each candidate's expected tokens per second of its own (:meth:`StepLedger.marginal_price`)."""
     return [g / max(ledger.marginal_price(r, f, fixed), 1e-12) for g, r, f in zip(gains, rows, fed)]
 
 
 def paying_share(
-    ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int], fixed: int = 0
+    ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[float], fixed: int = 0
 ) -> list[int]:
     """Which candidates (each ``gains`` expected tokens for ``rows`` verified rows, feeding ``fed``
     rows to one draft forward they share with ``fixed`` rows fed whatever it costs) join: the most
@@ -176,7 +195,7 @@ def paying_share(
     """
     own = own_rates(ledger, gains, rows, fed, fixed)
     order = sorted(range(len(gains)), key=lambda k: -own[k])
-    best, best_rate, tokens, more_rows, more_fed = 0, ledger.tokens / ledger.seconds, ledger.tokens, 0, 0
+    best, best_rate, tokens, more_rows, more_fed = 0, ledger.tokens / ledger.seconds, ledger.tokens, 0, 0.0
     for count, k in enumerate(order, 1):
         tokens, more_rows, more_fed = tokens + gains[k], more_rows + rows[k], more_fed + fed[k]
         rate = tokens / (ledger.seconds + ledger.price(more_rows, [fixed + more_fed]) - ledger.draft_price([fixed]))
@@ -211,18 +230,30 @@ class DraftGate:
     def __init__(self) -> None:
         self.rest = BackOff()
 
-    def choose(self, ledger: StepLedger, gains: Sequence[float], rows: Sequence[int], fed: Sequence[int]) -> list[int]:
-        """The requests that draft (``fed``: the rows each one's sync feeds the draft), their forward
-        charged to ``ledger``; a probe (its back-off's, or :attr:`StepLedger.probe_due`) sets
-        :attr:`StepLedger.probing`."""
-        chosen = paying_share(ledger, gains, rows, fed)
+    def choose(
+        self,
+        ledger: StepLedger,
+        gains: Sequence[float],
+        rows: Sequence[int],
+        fed: Sequence[int],
+        tokens_left: Sequence[int | None] | None = None,
+    ) -> list[int]:
+        """The requests that draft (``fed``: the rows each one's sync feeds the draft, priced as
+        :func:`catch_up_rows` by each one's ``tokens_left``), their forward charged to ``ledger``
+        (its catch-up's spread to :attr:`StepLedger.invested_seconds`); a probe (its back-off's, or
+        :attr:`StepLedger.probe_due`) sets :attr:`StepLedger.probing`, and is priced at the rows it
+        feeds: the batch may rest again after it, so its catch-up buys nothing."""
+        priced = [catch_up_rows(f, None if tokens_left is None else tokens_left[k]) for k, f in enumerate(fed)]
+        chosen = paying_share(ledger, gains, rows, priced)
         if chosen:
             self.rest.after(paid=True)
         elif gains and (self.rest.allows() or ledger.probe_due):  # the probe: the most tokens per second of its own
             self.rest.after(paid=False)
             own = own_rates(ledger, gains, rows, fed)
-            chosen, ledger.probing = [max(range(len(gains)), key=lambda k: own[k])], True
-        ledger.add(0.0, 0, [sum(fed[k] for k in chosen)])
+            chosen, ledger.probing, priced = [max(range(len(gains)), key=lambda k: own[k])], True, list(fed)
+        share = ledger.draft_price([sum(priced[k] for k in chosen)])
+        ledger.invested_seconds += ledger.draft_price([sum(fed[k] for k in chosen)]) - share
+        ledger.draft_seconds += share
         return chosen
 
 

@@ -33,6 +33,8 @@ class DraftRequest:
     #: vLLM's ``cache_salt`` of the request (``None``: unsalted): a cross-request index shares text
     #: only between requests with the same salt, as vLLM's prefix cache shares blocks
     cache_salt: str | None = None
+    #: the tokens it may still generate by its ``max_tokens`` (``None``: no limit of its own)
+    tokens_left: int | None = None
 
 
 class TreeDrafter(ABC):
@@ -115,6 +117,13 @@ class TreeDrafter(ABC):
         valued them all (:meth:`plan_step`); ``None`` when it did not. The runner weighs them
         against the step's rows and the drafting's seconds (the goodput controller's switch)."""
         return None
+
+    @property
+    def invested_seconds(self) -> float:
+        """Seconds of the last :meth:`propose`'s drafting spent for the steps after it (a draft's
+        catch-up, :func:`~vllm_specbeam.core.controller.catch_up_rows`): the switch judges the
+        step without them."""
+        return 0.0
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free per-request state: the request finished, was aborted or preempted."""

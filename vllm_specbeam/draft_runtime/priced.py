@@ -4,7 +4,7 @@ Before each step the runner hands the fitted prices (:meth:`PricedDraftModel.pla
 step's drafting starts a :class:`~vllm_specbeam.core.controller.StepLedger`
 (:meth:`~PricedDraftModel.start_ledger`); :meth:`~PricedDraftModel.gated` drafts only for the
 requests whose first level, valued by the acceptance learnt from their committed tokens, pays for
-its share of the draft forward, catch-up included
+its share of the draft forward, catch-up included, spread over the steps it buys
 (:class:`~vllm_specbeam.core.controller.DraftGate`); the method charges its levels to the
 ledger as it grows them (:func:`~vllm_specbeam.core.controller.forwards_that_pay`), and the
 ledger's tokens are what the controller's switch weighs (:attr:`~PricedDraftModel.expected_gain`).
@@ -62,6 +62,10 @@ class PricedDraftModel:
             return None
         return ledger.tokens - self.prices.batch_size
 
+    @property
+    def invested_seconds(self) -> float:
+        return 0.0 if self.ledger is None else self.ledger.invested_seconds
+
     def gated(
         self,
         runtime: DraftRuntime,
@@ -81,7 +85,8 @@ class PricedDraftModel:
             first = [path_values(first_levels[k], self.values.rates(requests[k].req_id)) for k in gated]  # type: ignore[arg-type]
             gains = [sum(v) * ledger.worth_of(requests[k].req_id) for k, v in zip(gated, first)]
             fed = [runtime.sync_rows(requests[k].req_id, requests[k].token_ids) for k in gated]
-            chosen = [gated[k] for k in self.gate.choose(ledger, gains, [len(v) for v in first], fed)]
+            left = [requests[k].tokens_left for k in gated]
+            chosen = [gated[k] for k in self.gate.choose(ledger, gains, [len(v) for v in first], fed, left)]
             drafting = sorted(set(drafting) - set(gated) | set(chosen))
             caps = [1 if ledger.probing and k in chosen else None for k in drafting]
             runtime.defer([r.req_id for k, r in enumerate(requests) if k not in drafting])

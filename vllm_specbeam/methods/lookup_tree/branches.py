@@ -300,7 +300,8 @@ class LookupBranches:
         first = [splits[k].fill_first for k in candidates]
         gains = [sum(values) * worth[k] for k, values in zip(candidates, first)]
         fed = [runtime.sync_rows(requests[k].req_id, requests[k].token_ids) for k in candidates]
-        drafting = self.gate.choose(ledger, gains, [len(values) for values in first], fed)
+        left = [requests[k].tokens_left for k in candidates]
+        drafting = self.gate.choose(ledger, gains, [len(values) for values in first], fed, left)
         chosen = {candidates[k]: 1 if ledger.probing else splits[candidates[k]].fill_nodes for k in drafting}
         return [
             dataclasses.replace(split, fill_nodes=chosen.get(k, 0)) if k in candidates else split
