@@ -165,7 +165,7 @@ def catch_up_rows(fed: int, tokens_left: int | None = None) -> float:
     read, or the tokens of a rest) never pays for one step's gain at a large batch, so the draft
     would never run however well it drafts.
 
-    Example: a 129-token prompt the draft lacks: ``1 + 128 / 32 = 5`` rows; 3 tokens left: 43 rows."""
+    Example: a 129-token prompt the draft lacks: ``1 + 128 / 32 = 5`` rows; with 4 tokens left, 33."""
     steps = CATCH_UP_STEPS if tokens_left is None else max(1, min(CATCH_UP_STEPS, tokens_left))
     return 1 + max(fed - 1, 0) / steps
 
