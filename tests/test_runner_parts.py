@@ -70,7 +70,7 @@ def test_requests_to_draft_keeps_tree_requests_with_depth_left_and_caps_their_de
         request("last-token", 5, SamplingParams(max_tokens=8), outputs=7),  # only the target's token left
         request("salted", 6, salted),
     ]
-    asked = requests_to_draft(batch, FIXED, draft_cap=None)
+    asked = requests_to_draft(batch, FIXED, draft_cap=None, max_model_len=1024)
     assert [r.req_id for r in asked.requests] == ["plain", "near-end", "salted"]
     assert asked.batch_indices == [0, 4, 6]
     assert asked.automatic == [False, False, False] and asked.sitting_out == 0
@@ -92,7 +92,7 @@ def test_a_request_near_its_end_drafts_no_lookup_branch_past_max_tokens() -> Non
         request("near-end", 1, SamplingParams(max_tokens=48), outputs=43),  # 5 left: depth 4
         request("nearer", 2, SamplingParams(max_tokens=48), outputs=45),  # 3 left: depth 2
     ]
-    asked = requests_to_draft(batch, hybrid, draft_cap=None)
+    asked = requests_to_draft(batch, hybrid, draft_cap=None, max_model_len=1024)
     depths = [(r.options["num_speculative_tokens"], r.options["lookup_depth"]) for r in asked.requests]
     assert depths == [(4, 8), (4, 4), (2, 2)]
 
@@ -106,7 +106,7 @@ def test_requests_to_draft_asks_the_budget_for_auto_requests_and_counts_those_it
         return caps[req_id]
 
     batch = [request("paying", 0, SamplingParams()), request("idle", 1, SamplingParams())]
-    asked = requests_to_draft(batch, AUTO, draft_cap)
+    asked = requests_to_draft(batch, AUTO, draft_cap, max_model_len=1024)
     auto_max_nodes = AUTO.options["auto_max_nodes"]
     assert seen == [("paying", auto_max_nodes), ("idle", auto_max_nodes)]
     assert [r.req_id for r in asked.requests] == ["paying"] and asked.requests[0].options["max_nodes"] == 3
@@ -121,13 +121,13 @@ def test_a_request_number_under_an_auto_engine_caps_the_budget_instead_of_fixing
         return 0  # the budget sits it out, as it may any automatic request
 
     capped = request("capped", 0, SamplingParams(extra_args={"max_nodes": 4}))
-    asked = requests_to_draft([capped], AUTO, draft_cap)
+    asked = requests_to_draft([capped], AUTO, draft_cap, max_model_len=1024)
     assert seen == [("capped", 4)]
     assert asked.requests == [] and asked.sitting_out == 1
 
 
 def test_requests_to_draft_of_an_empty_batch_asks_nothing() -> None:
-    asked = requests_to_draft([], FIXED, draft_cap=None)
+    asked = requests_to_draft([], FIXED, draft_cap=None, max_model_len=1024)
     assert (asked.requests, asked.batch_indices, asked.automatic, asked.sitting_out) == ([], [], [], 0)
 
 

@@ -123,7 +123,7 @@ class TreeDrafting:
     def propose(self, batch: Sequence[BatchRequest], max_model_len: int, draft_cost: StepCost | None) -> Proposal:
         """The drafter's trees for the requests that draft this step, cut to what pays and fits."""
         budget = self.budget
-        asked = requests_to_draft(batch, self.config, None if budget is None else budget.draft_cap)
+        asked = requests_to_draft(batch, self.config, None if budget is None else budget.draft_cap, max_model_len)
         worth = {} if budget is None else self._worth(batch, max_model_len)
         prices = StepPrices(
             len(batch),

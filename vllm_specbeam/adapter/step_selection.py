@@ -125,7 +125,9 @@ def tokens_left(request: BatchRequest, max_model_len: int) -> int | None:
     return left if left < max_model_len - request.token_ids.size else None
 
 
-def requests_to_draft(batch: Sequence[BatchRequest], config: SpecbeamConfig, draft_cap: DraftCap | None) -> DraftAsk:
+def requests_to_draft(
+    batch: Sequence[BatchRequest], config: SpecbeamConfig, draft_cap: DraftCap | None, max_model_len: int
+) -> DraftAsk:
     """The requests whose drafter is asked this step, with their options for it: those that
     decode with trees and have tokens left to draft, less those the budget sits out."""
     asked = DraftAsk()
@@ -157,7 +159,7 @@ def requests_to_draft(batch: Sequence[BatchRequest], config: SpecbeamConfig, dra
                 options,
                 params.temperature,
                 args.cache_salt,
-                None if params.max_tokens is None else depth + 1,
+                tokens_left(request, max_model_len),
             )
         )
         asked.batch_indices.append(request.batch_index)

@@ -173,8 +173,8 @@ class LookupBranches:
         self.drafted_at: dict[str, int] = {}
         #: per request: consecutive steps, up to this one, without a lookup branch
         self.without_lookup: dict[str, int] = {}
-        #: engine depth: a request drafting shallower (per request, or near its max_tokens) draws lookup
-        #: branches no deeper than its depth
+        #: engine depth: a request that sets a shallower one draws lookup branches no deeper than it
+        #: (near its max_tokens the runner lowers ``lookup_depth`` itself)
         self.engine_depth = int(options["num_speculative_tokens"])
         #: the step being drafted (:meth:`LookupFirstDrafter.plan_step`): its requests and what the runner
         #: measured of a step's rows and draft forwards
