@@ -427,3 +427,15 @@ def test_auto_budget_greedy_equals_no_speculation(engines, prompts, reference, c
     assert after["accepted"] > before["accepted"]
     assert 0 < after["budget_kept"] - before["budget_kept"] <= after["budget_drafted"] - before["budget_drafted"]
     assert after["nodes"] - before["nodes"] <= after["budget_kept"] - before["budget_kept"]
+
+
+def test_hopeful_rates_are_one_standard_error_up_and_near_the_rate_once_measured():
+    """The docstring's figures: with nothing but the engine's prior, a draft's first level is
+    valued 0.25 higher (4 tries' weight at 0.5); 40 tries later, by their standard error only."""
+    budget = StepBudget()
+    cold = budget.rates("r", hopeful=True)
+    assert budget.rates("r") == pytest.approx(np.full_like(cold, 0.5)) and cold == pytest.approx(0.75)
+    budget.requests["r"].counts.add([0] * 40, [0] * 34, decay=1.0)  # 34 of 40 tries at cell 0
+    rate, hopeful = budget.rates("r")[0, 0, 0], budget.rates("r", hopeful=True)[0, 0, 0]
+    assert rate == pytest.approx((34 + 2) / 44)
+    assert hopeful == pytest.approx(rate + math.sqrt(rate * (1 - rate) / 44)) and hopeful < rate + 0.06

@@ -294,13 +294,17 @@ def test_the_gate_probes_the_best_request_alone_on_a_back_off() -> None:
     assert ledger.draft_seconds == 0.0 and ledger.rows == 2  # the forward is charged, the levels are not
 
 
-def test_the_gate_probes_at_every_step_after_the_batch_rest() -> None:
-    """The switch spaces its own probes; a gate resting on its back-off would multiply the rests."""
+def test_the_gate_probes_every_request_at_every_step_after_the_batch_rest() -> None:
+    """The switch spaces its own probes; a gate resting on its back-off would multiply the rests.
+    The batch's probe drafts a node for every request, priced at the rows each feeds: one
+    request's trial alone would leave the others valued by the engine's prior, which may never
+    pay (a cold batch of 8 never drafted so, at 0.45 against the 0.85 its draft is accepted)."""
     gate = DraftGate()
     for _step in range(6):
         ledger = StepLedger.of(StepPrices(2, TARGET, DEAR, probe=True))
         assert ledger is not None
-        assert gate.choose(ledger, [0.2, 0.7], [1, 1], [1, 1]) == [1] and ledger.probing
+        assert gate.choose(ledger, [0.2, 0.7], [1, 1], [1, 3]) == [0, 1] and ledger.probing
+        assert ledger.invested_seconds == 0.0 and ledger.draft_seconds == pytest.approx(float(DEAR.seconds(4)))
     ledger = StepLedger.of(StepPrices(2, TARGET, DEAR))
     assert ledger is not None and gate.choose(ledger, [0.2, 0.7], [1, 1], [1, 1]) == []  # its back-off rests
 
@@ -374,11 +378,12 @@ def test_depth_follows_the_price_of_a_draft_forward() -> None:
 
 
 def test_a_request_whose_draft_lags_is_left_to_wait_while_its_peers_draft() -> None:
-    """Four requests under a draft forward that pays at one row each; one of them sat out 40 steps
-    (a planted lag): its catch-up does not pay, so it defers and the others draft."""
+    """Four requests under a draft forward that pays at one row each; one of them sat out 400 steps
+    (a planted lag): its catch-up does not pay, even spread over the steps it buys, so it defers
+    and the others draft."""
     prices = StepPrices(4, TARGET, StepCost(0.004, 0.002))
     d, runtime = priced(prices)
-    runtime.lags["d"] = 40
+    runtime.lags["d"] = 400
     requests = [DraftRequest(req_id, np.asarray([5, 6]), d.options, 0.0) for req_id in "abcd"]
     trees = d.propose(requests)
     assert [t.num_nodes > 0 for t in trees] == [True, True, True, False]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vllm_specbeam.core.budget import StepBudget, StepCost
-from vllm_specbeam.core.drain import Arrivals, token_worth
+from vllm_specbeam.core.drain import PACE_MEMORY, Arrivals, Pace, token_worth
 from vllm_specbeam.core.tree import DraftTree
 
 #: flat to 6 rows, then 0.7 ms a row: SmolLM2's plain steps on the 2-core EPYC, about
@@ -43,6 +43,23 @@ def test_a_token_ending_the_batch_saves_its_share_of_the_last_step_the_others_th
     assert worth[:5] == pytest.approx(float(HINGE.seconds(5)) / 5 / average)
     assert worth[5:] == pytest.approx(0.0007 / average)
     assert token_worth([40, 38, 10], HINGE).tolist() == pytest.approx([1.5, 1.5, 0.0])
+
+
+def test_at_the_batchs_pace_a_request_ends_it_if_undrafted_it_would_end_after_the_last():
+    """The docstring's example: at 4 tokens a step, 10 tokens left undrafted take as long as 40
+    drafted, so all three end the batch; at 1 token a step (no drafting), the first two."""
+    assert token_worth([40, 38, 10], HINGE, pace=4.0).tolist() == pytest.approx([1.0, 1.0, 1.0])
+    assert token_worth([40, 38, 10], HINGE, pace=1.0).tolist() == pytest.approx([1.5, 1.5, 0.0])
+    assert token_worth([40, 38, 10], HINGE, pace=0.5).tolist() == pytest.approx([1.5, 1.5, 0.0])
+
+
+def test_the_pace_averages_the_drafted_requests_committed_tokens_and_starts_at_one():
+    pace = Pace()
+    assert pace.tokens == 1.0
+    pace.observe([])  # a step that verified no draft
+    assert pace.tokens == 1.0
+    pace.observe([3, 5])
+    assert pace.tokens == pytest.approx(PACE_MEMORY + (1 - PACE_MEMORY) * 4)
 
 
 @pytest.mark.parametrize(
@@ -147,3 +164,30 @@ def test_a_drafter_that_prices_its_own_drafts_gets_each_requests_worth_once_the_
     expected = token_worth([60 - 7] + [20 - 7] * 7, HINGE)
     assert worths[-1] == pytest.approx(dict(zip(ids, expected.tolist())))
     assert worths[-1]["r0"] > 1 > worths[-1]["r1"]
+
+
+def test_the_drafting_step_paces_only_the_requests_it_drafted_for():
+    """A request drafted for commits 3 tokens, one without a draft 1: the pace counts the first
+    only, and a step after one that proposed nothing leaves it as it was."""
+    from vllm import SamplingParams
+
+    from vllm_specbeam.adapter.drafting import TreeDrafting
+    from vllm_specbeam.adapter.step_selection import BatchRequest
+    from vllm_specbeam.adapter.tree_counts import TreeCounts
+    from vllm_specbeam.core.config import METHODS, parse
+
+    config = parse({"method": "lookup_tree", "num_speculative_tokens": 4})
+    drafting = TreeDrafting(config, METHODS["lookup_tree"].drafter_class()(config.options), TreeCounts())
+    assert drafting.budget is not None
+    drafting.budget.cost = drafting.budget.chain_cost = drafting.budget.plain_cost = HINGE
+    ids, params = ["r0", "r1"], SamplingParams(temperature=0.0, max_tokens=60)
+    repeating, new = np.asarray([7, 8, 9, 10] * 6 + [7], np.int64), np.arange(100, 125, dtype=np.int64)  # [25] each
+    assert drafting.drafts_this_step(ids, [params, params])
+    batch = [BatchRequest("r0", 0, params, 0, repeating, True), BatchRequest("r1", 1, params, 0, new, True)]
+    proposal = drafting.propose(batch, 4096, None)
+    assert proposal.drafts[0] and not proposal.drafts[1]
+    drafting.observe_committed(ids, [[8, 9, 10], [5]], np.asarray([28, 26]))
+    paced = PACE_MEMORY + (1 - PACE_MEMORY) * 3
+    assert drafting.pace.tokens == pytest.approx(paced)
+    drafting.observe_committed(ids, [[7], [5]], np.asarray([29, 27]))
+    assert drafting.pace.tokens == pytest.approx(paced)

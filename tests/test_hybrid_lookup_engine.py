@@ -71,8 +71,8 @@ def _plant_free_steps(worker, free: bool) -> None:
     over a step), or fitted from the steps again."""
     _plant_cost(worker, 0.01 if free else None)
     runner = worker.model_runner
-    runner.draft_cost_model = _FixedCost(StepCost(0.0, 0.0)) if free else StepCostModel()
-    runner.draft_cost = runner.draft_cost_model.fitted()
+    runner.draft_forwards.model = _FixedCost(StepCost(0.0, 0.0)) if free else StepCostModel()
+    runner.draft_cost = runner.draft_forwards.model.fitted()
 
 
 def _record_deferrals(worker) -> None:

@@ -45,7 +45,7 @@ from vllm_specbeam.adapter.verification import (
     count_tree,
     first_logit_rows,
 )
-from vllm_specbeam.core.budget import FILL_KIND, StepBudget
+from vllm_specbeam.core.budget import FILL_KIND, StepBudget, StepCostModel
 from vllm_specbeam.core.config import parse
 from vllm_specbeam.core.tree import DraftTree
 
@@ -333,6 +333,22 @@ def test_a_kind_of_step_timed_for_the_first_time_is_fitted_at_once(monkeypatch: 
     timer.time_step(output(5, {"a": [1, 2, 3]}))  # a chain step starts
     assert timer.time_step(output(2, {})) and budget.chain_cost is not None
     assert not timer.time_step(output(2, {}))  # a plain step again: its kind was timed before
+
+
+def test_draft_forwards_are_priced_with_the_drafting_steps_host_work_and_syncs_as_timed() -> None:
+    """Three 40 ms forwards of 8 rows in a 160 ms drafting step are fitted as forwards of 53.3 ms
+    (the forward alone under-priced every level); a sync's forward outside a drafting step as it is."""
+    forwards, spent = step_timing.DraftForwards(), StepCostModel()
+    for step in range(4):
+        forwards.drafting()
+        for _ in range(3):
+            forwards.observe(8 + step, 0.040)
+            spent.observe(8 + step, 0.160 / 3)
+        forwards.drafted(0.160)
+    forwards.observe(100, 0.090)  # a sync after a step
+    spent.observe(100, 0.090)
+    assert forwards.model.fitted() == spent.fitted()
+    assert forwards.model.fitted().seconds(8) > 0.050
 
 
 def test_tokens_left_counts_a_requests_own_limit_and_not_the_servers_room() -> None:

@@ -30,7 +30,7 @@ from vllm_specbeam.core.budget import StepBudget, StepCost
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig
 from vllm_specbeam.core.controller import StepPrices, Switch, overhead, utility
 from vllm_specbeam.core.drafter import TreeDrafter
-from vllm_specbeam.core.drain import Arrivals, token_worth
+from vllm_specbeam.core.drain import Arrivals, Pace, token_worth
 from vllm_specbeam.core.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ class Proposal:
     drafts: list[list[int]]
     #: the trees behind them, by request
     trees: dict[str, DraftTree]
+    #: the drafter's seconds (its forwards and the host work around them)
+    draft_seconds: float = 0.0
 
 
 class TreeDrafting:
@@ -74,6 +76,9 @@ class TreeDrafting:
         self.probing = False
         #: whether requests still join the batch (once they stop, tokens are worth what they save)
         self.arrivals = Arrivals()
+        #: a drafted request's committed tokens a step, and the requests the last proposal drafted for
+        self.pace = Pace()
+        self._drafted: frozenset[str] = frozenset()
 
     def observe_committed(
         self, req_ids: Sequence[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray
@@ -86,6 +91,8 @@ class TreeDrafting:
         for index, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             if sampled:
                 self.budget.observe_committed(req_id, sampled, int(num_tokens[index]))
+        drafted, self._drafted = self._drafted, frozenset()
+        self.pace.observe([len(s) for r, s in zip(req_ids, sampled_token_ids) if r in drafted and s])
 
     def drafts_this_step(self, req_ids: Sequence[str], params: Sequence[SamplingParams | None]) -> bool:
         """Whether this step asks the drafter at all (:class:`~vllm_specbeam.core.controller.Switch`),
@@ -147,6 +154,8 @@ class TreeDrafting:
         if any(asked.automatic):
             trees = self._keep_what_pays(asked, trees, len(batch), worth)
         proposal = _clipped(asked, trees, len(batch), max_model_len)
+        proposal.draft_seconds = elapsed
+        self._drafted = frozenset(r.req_id for r in batch if proposal.drafts[r.batch_index])
         if self.switch is not None:
             if self.same_on_every_rank is not None:  # host sync (a broadcast) under tensor parallelism
                 elapsed = self.same_on_every_rank(elapsed)
@@ -161,7 +170,7 @@ class TreeDrafting:
         assert self.budget is not None
         if not self.arrivals.draining:
             return {}
-        worth = token_worth([tokens_left(r, max_model_len) for r in batch], self.budget.plain_cost)
+        worth = token_worth([tokens_left(r, max_model_len) for r in batch], self.budget.plain_cost, self.pace.tokens)
         return {r.req_id: w for r, w in zip(batch, worth.tolist())}
 
     def _keep_what_pays(

@@ -43,10 +43,10 @@ from vllm_specbeam.adapter.engine_config import plugin_config
 from vllm_specbeam.adapter.logitsprocs import builtin_logitsprocs
 from vllm_specbeam.adapter.metrics import RunnerMetrics
 from vllm_specbeam.adapter.step_selection import finished_request
-from vllm_specbeam.adapter.step_timing import fitted_lines, same_on_every_rank
+from vllm_specbeam.adapter.step_timing import DraftForwards, fitted_lines, same_on_every_rank
 from vllm_specbeam.adapter.tree_counts import STATE_BYTES, TreeCounts, lines_stats
 from vllm_specbeam.adapter.verification import Accepted, StepTree, TreeVerification
-from vllm_specbeam.core.budget import StepCost, StepCostModel
+from vllm_specbeam.core.budget import StepCost
 from vllm_specbeam.core.config import METHODS, SpecbeamConfig
 from vllm_specbeam.core.drafter import TreeDrafter
 from vllm_specbeam.core.tree import DraftTree
@@ -125,7 +125,7 @@ class TreeRunnerMixin:
         )
         self.budget, self.step_timer, self.switch = self.drafting.budget, self.drafting.timer, self.drafting.switch
         #: seconds of the in-worker draft's forwards by rows, fitted as the target's steps are
-        self.draft_cost_model = StepCostModel()
+        self.draft_forwards = DraftForwards()
         self.draft_cost: StepCost | None = None
         #: the controller's Prometheus metrics, written for the front end (:mod:`.metrics`)
         self.metrics = RunnerMetrics.for_runner(vllm_config)
@@ -233,7 +233,7 @@ class TreeRunnerMixin:
         """One forward of the in-worker draft (:class:`WorkerDraftRuntime`): counted, and fitted."""
         self.tree_counts.draft_forwards += 1
         self.tree_counts.draft_rows += rows
-        self.draft_cost_model.observe(rows, seconds)
+        self.draft_forwards.observe(rows, seconds)
 
     @override
     def _update_states(self, scheduler_output: SchedulerOutput) -> Callable[..., Any] | None:
@@ -265,7 +265,7 @@ class TreeRunnerMixin:
     @override
     def execute_model(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
         if self.step_timer is not None and self.step_timer.time_step(scheduler_output):
-            self.draft_cost = same_on_every_rank(self.draft_cost_model.fitted())
+            self.draft_cost = same_on_every_rank(self.draft_forwards.model.fitted())
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     # -------------------------------------------------------------- inputs
@@ -417,7 +417,9 @@ class TreeRunnerMixin:
                 self.draft_runtime.defer(req_ids)
             return [[] for _ in req_ids]
         batch = batch_requests(self.input_batch, self.requests, sampled_token_ids)
+        self.draft_forwards.drafting()
         proposal = self.drafting.propose(batch, self.vllm_config.model_config.max_model_len, self.draft_cost)
+        self.draft_forwards.drafted(proposal.draft_seconds)
         if self.draft_runtime is not None:
             # those the drafter was not asked for (one token left, a prompt's chunk) wait for a
             # step that drafts them: fed now, a batch's last step would feed every context; a beam

@@ -444,11 +444,19 @@ class StepBudget:
         """The engine-wide acceptance rate per cell (a uniform prior: 1/2 before anything was seen)."""
         return (self.engine.hits + 1.0) / (self.engine.trials + 2.0)
 
-    def rates(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
-        """``c[kind bucket, depth bucket, rank bucket]`` for one request, non-increasing in rank."""
+    def rates(self, req_id: str, engine_rates: np.ndarray | None = None, hopeful: bool = False) -> np.ndarray:
+        """``c[kind bucket, depth bucket, rank bucket]`` for one request, non-increasing in rank;
+        ``hopeful``: one standard error higher, for a value learnt only from its own tries (a
+        draft that never runs is never measured: with 4 tries' weight of the engine's 0.45, 0.70;
+        after 34 hits in 40 tries, 0.87 against 0.81).
+
+        Example: a request of 3 hits in 4 trials, the engine at 0.5 a cell: ``(3 + 4 * 0.5) / 8 = 0.625``."""
         engine = self.engine_rates() if engine_rates is None else engine_rates
         counts = self.requests.setdefault(req_id, RequestBudget()).counts
-        rate = (counts.hits + PRIOR_TRIALS * engine) / (counts.trials + PRIOR_TRIALS)
+        trials = counts.trials + PRIOR_TRIALS
+        rate = (counts.hits + PRIOR_TRIALS * engine) / trials
+        if hopeful:
+            rate = np.minimum(rate + np.sqrt(rate * (1 - rate) / trials), 1.0)
         return np.minimum.accumulate(rate.reshape(KIND_BUCKETS, DEPTH_BUCKETS, RANK_BUCKETS), axis=2)
 
     def prune(

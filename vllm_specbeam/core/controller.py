@@ -247,7 +247,10 @@ class DraftGate:
         chosen = paying_share(ledger, gains, rows, priced)
         if chosen:
             self.rest.after(paid=True)
-        elif gains and (self.rest.allows() or ledger.probe_due):  # the probe: the most tokens per second of its own
+        elif gains and ledger.probe_due:  # the batch's probe after its rest: every request, one node each
+            self.rest.after(paid=False)
+            chosen, ledger.probing, priced = list(range(len(gains))), True, list(fed)
+        elif gains and self.rest.allows():  # the gate's probe: the most tokens per second of its own
             self.rest.after(paid=False)
             own = own_rates(ledger, gains, rows, fed)
             chosen, ledger.probing, priced = [max(range(len(gains)), key=lambda k: own[k])], True, list(fed)

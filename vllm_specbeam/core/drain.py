@@ -8,7 +8,9 @@ adds to a later step, ``P'(B)`` (its row; nothing below the knee), unless the
 request is one of the ``k`` the batch waits for last: then it also brings the
 batch's last step nearer, ``P(k) / k`` seconds for each of them. With every
 request alike (a batch of equal requests started together) that is
-``P(B) / B`` again; with one request, a whole step.
+``P(B) / B`` again; with one request, a whole step. The batch waits for every
+request that, undrafted, would end after the last one drafted at the batch's
+pace (:class:`Pace`): at 3 tokens a step, any with a third of its tokens left.
 
 Example: ``P(R) = 20 ms + 0.7 ms * max(0, R - 6)``, 200 requests (a 156 ms
 step, 0.78 ms a request), 5 of them with the most tokens left: their tokens
@@ -34,6 +36,8 @@ MIN_DRAIN_STEPS = 4
 GAP_MEMORY = 0.7
 #: requests this close to the most tokens left (a share of it) end the batch together
 LAST_SHARE = 1 / 8
+#: how much of a drafted request's committed tokens a step carries over to the next (:class:`Pace`)
+PACE_MEMORY = 0.7
 
 
 @dataclass
@@ -72,20 +76,35 @@ class Arrivals:
         return self.since_join is not None and self.since_join > max(MIN_DRAIN_STEPS, usual)
 
 
-def token_worth(left: Sequence[int | None], plain: StepCost | None) -> np.ndarray:
+@dataclass
+class Pace:
+    """The committed tokens a step of a drafted request, averaged over the last few drafting steps
+    (1 before any: no request is faster than one token a step)."""
+
+    tokens: float = 1.0
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """One step's committed tokens of the requests it verified drafts for (none: no change)."""
+        if committed:
+            self.tokens = PACE_MEMORY * self.tokens + (1 - PACE_MEMORY) * max(sum(committed) / len(committed), 1.0)
+
+
+def token_worth(left: Sequence[int | None], plain: StepCost | None, pace: float = 1.0) -> np.ndarray:
     """Each request's committed token in seconds of a draining batch's time, over the average
     ``P(B) / B`` (``left``: each request's tokens left to generate, ``None`` where no limit was
-    set; ``plain``: the plain steps' line ``P``). All ones where any limit is unknown or no step
-    was timed: which request ends the batch is then anybody's guess.
+    set; ``plain``: the plain steps' line ``P``; ``pace``: :class:`Pace`). All ones where any limit
+    is unknown or no step was timed: which request ends the batch is then anybody's guess.
 
     Example: ``P(R) = 20 + 0.7 max(0, R - 6)`` ms, tokens left ``[40, 38, 10]``: the first two end
     the batch (within 40 / 8 = 5 tokens of the most), each token worth ``P(2) / 2 = 10`` ms against
-    an average of ``P(3) / 3 = 6.7``: ``[1.5, 1.5, 0]`` (3 rows are below the knee: free)."""
+    an average of ``P(3) / 3 = 6.7``: ``[1.5, 1.5, 0]`` (3 rows are below the knee: free). At a pace
+    of 4 tokens a step, the third would end after the first two (10 steps undrafted, 40 / 4
+    drafted): ``[1, 1, 1]``; priced at a row, it would fall behind by drafting for the others."""
     batch = len(left)
     if plain is None or batch == 0 or any(n is None for n in left):
         return np.ones(batch)
     tokens_left = np.maximum(np.asarray(left, float), 0.0)  # [batch]: a request past its end has none
-    last = tokens_left >= tokens_left.max() * (1 - LAST_SHARE)  # [batch]
+    last = tokens_left >= tokens_left.max() * (1 - LAST_SHARE) / max(pace, 1.0)  # [batch]
     ending = int(last.sum())
     average = float(plain.seconds(batch)) / batch
     row = plain.slope + (plain.bend if batch > plain.knee else 0.0)

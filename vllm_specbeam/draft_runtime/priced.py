@@ -82,7 +82,10 @@ class PricedDraftModel:
         ledger = self.ledger
         if ledger is not None:
             gated = [k for k, shape in enumerate(first_levels) if shape is not None]
-            first = [path_values(first_levels[k], self.values.rates(requests[k].req_id)) for k in gated]  # type: ignore[arg-type]
+            # hopeful: a first level is valued only by the draft's tries, and a gate that refuses
+            # on a low prior never tries it (a cold batch of 8 never drafted, at 0.45 against 0.85)
+            rates = [self.values.rates(requests[k].req_id, hopeful=True) for k in gated]
+            first = [path_values(first_levels[k], rate) for k, rate in zip(gated, rates)]  # type: ignore[arg-type]
             gains = [sum(v) * ledger.worth_of(requests[k].req_id) for k, v in zip(gated, first)]
             fed = [runtime.sync_rows(requests[k].req_id, requests[k].token_ids) for k in gated]
             left = [requests[k].tokens_left for k in gated]
