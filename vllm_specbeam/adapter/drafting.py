@@ -170,7 +170,10 @@ class TreeDrafting:
         assert self.budget is not None
         if not self.arrivals.draining:
             return {}
-        worth = token_worth([tokens_left(r, max_model_len) for r in batch], self.budget.plain_cost, self.pace.tokens)
+        # the pace for draft-model drafters only: drafting for a batch's laggards alone pays the draft
+        # forward's intercept for a few requests; a lookup's laggard-only trees cost no such forward
+        pace = self.pace.tokens if self.drafter.cuts_to_step_cost else 1.0
+        worth = token_worth([tokens_left(r, max_model_len) for r in batch], self.budget.plain_cost, pace)
         return {r.req_id: w for r, w in zip(batch, worth.tolist())}
 
     def _keep_what_pays(
