@@ -168,7 +168,8 @@ def test_a_drafter_that_prices_its_own_drafts_gets_each_requests_worth_once_the_
 
 def test_the_drafting_step_paces_only_the_requests_it_drafted_for():
     """A request drafted for commits 3 tokens, one without a draft 1: the pace counts the first
-    only, and a step after one that proposed nothing leaves it as it was."""
+    only, and a step after one that proposed nothing leaves it as it was. A drafter that prices no
+    draft forward keeps no pace."""
     from vllm import SamplingParams
 
     from vllm_specbeam.adapter.drafting import TreeDrafting
@@ -176,9 +177,13 @@ def test_the_drafting_step_paces_only_the_requests_it_drafted_for():
     from vllm_specbeam.adapter.tree_counts import TreeCounts
     from vllm_specbeam.core.config import METHODS, parse
 
+    class PricingDrafter(METHODS["lookup_tree"].drafter_class()):  # type: ignore[misc]
+        cuts_to_step_cost = True  # a draft-model drafter's pricing: the pace is theirs
+
     config = parse({"method": "lookup_tree", "num_speculative_tokens": 4})
-    drafting = TreeDrafting(config, METHODS["lookup_tree"].drafter_class()(config.options), TreeCounts())
-    assert drafting.budget is not None
+    assert TreeDrafting(config, METHODS["lookup_tree"].drafter_class()(config.options), TreeCounts()).pace is None
+    drafting = TreeDrafting(config, PricingDrafter(config.options), TreeCounts())
+    assert drafting.budget is not None and drafting.pace is not None
     drafting.budget.cost = drafting.budget.chain_cost = drafting.budget.plain_cost = HINGE
     ids, params = ["r0", "r1"], SamplingParams(temperature=0.0, max_tokens=60)
     repeating, new = np.asarray([7, 8, 9, 10] * 6 + [7], np.int64), np.arange(100, 125, dtype=np.int64)  # [25] each

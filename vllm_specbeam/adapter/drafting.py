@@ -76,8 +76,10 @@ class TreeDrafting:
         self.probing = False
         #: whether requests still join the batch (once they stop, tokens are worth what they save)
         self.arrivals = Arrivals()
-        #: a drafted request's committed tokens a step, and the requests the last proposal drafted for
-        self.pace = Pace()
+        #: a drafted request's committed tokens a step, for the drain worth of draft-model drafters only
+        #: (drafting for a batch's laggards alone pays the draft forward's intercept for a few requests; a
+        #: lookup's trees for a few cost no such forward), and the requests the last proposal drafted for
+        self.pace = Pace() if drafter.cuts_to_step_cost else None
         self._drafted: frozenset[str] = frozenset()
 
     def observe_committed(
@@ -91,8 +93,9 @@ class TreeDrafting:
         for index, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             if sampled:
                 self.budget.observe_committed(req_id, sampled, int(num_tokens[index]))
-        drafted, self._drafted = self._drafted, frozenset()
-        self.pace.observe([len(s) for r, s in zip(req_ids, sampled_token_ids) if r in drafted and s])
+        if self.pace is not None:
+            drafted, self._drafted = self._drafted, frozenset()
+            self.pace.observe([len(s) for r, s in zip(req_ids, sampled_token_ids) if r in drafted and s])
 
     def drafts_this_step(self, req_ids: Sequence[str], params: Sequence[SamplingParams | None]) -> bool:
         """Whether this step asks the drafter at all (:class:`~vllm_specbeam.core.controller.Switch`),
@@ -155,7 +158,8 @@ class TreeDrafting:
             trees = self._keep_what_pays(asked, trees, len(batch), worth)
         proposal = _clipped(asked, trees, len(batch), max_model_len)
         proposal.draft_seconds = elapsed
-        self._drafted = frozenset(r.req_id for r in batch if proposal.drafts[r.batch_index])
+        if self.pace is not None:
+            self._drafted = frozenset(r.req_id for r in batch if proposal.drafts[r.batch_index])
         if self.switch is not None:
             if self.same_on_every_rank is not None:  # host sync (a broadcast) under tensor parallelism
                 elapsed = self.same_on_every_rank(elapsed)
@@ -170,9 +174,7 @@ class TreeDrafting:
         assert self.budget is not None
         if not self.arrivals.draining:
             return {}
-        # the pace for draft-model drafters only: drafting for a batch's laggards alone pays the draft
-        # forward's intercept for a few requests; a lookup's laggard-only trees cost no such forward
-        pace = self.pace.tokens if self.drafter.cuts_to_step_cost else 1.0
+        pace = 1.0 if self.pace is None else self.pace.tokens
         worth = token_worth([tokens_left(r, max_model_len) for r in batch], self.budget.plain_cost, pace)
         return {r.req_id: w for r, w in zip(batch, worth.tolist())}
 

@@ -80,8 +80,9 @@ class DraftForwards:
     """The in-worker draft's forwards, fitted by rows, each priced with its share of the drafting
     around it: a draft-model drafter spends host work on every level besides the forward (the
     logits over the vocabulary, scoring them, a host sync). Priced at the forward alone, a level
-    looked a third cheaper than it is (Qwen pair, batch 8, Xeon: 38 ms fitted, 57 ms spent), and
-    the controller drafted deeper than its rows paid for.
+    looked a third cheaper than it is (Qwen pair, batch 8, Xeon: 40.0 ms + 0.49 ms a row fitted so,
+    66.6 ms + 0.54 ms with the host work; docs/results/qwen-batch8-catch-up and -priced), and the
+    controller drafted deeper than its rows paid for.
 
     Example: a drafting step of 160 ms with forwards of 8, 8 and 8 rows taking 40 ms each: each
     is observed at 40 + (160 - 120) / 3 = 53.3 ms. Forwards outside a drafting step (the syncs
